@@ -19,9 +19,11 @@ import numpy as np
 from attention_backward_host import (HOST_CONVERSIONS, PACKED_OPERANDS, PRELUDE, host_compiler, host_main, host_mma,
                                      wgmma_host_helpers)
 from ourgrad.codegen.attention import AttentionPlan, render_attention
+from ourgrad.codegen.attention_helpers import POLY_EXP2_HELPER
 
 FORWARD_PRELUDE = r"""
 inline float __int_as_float(int bits) { float f; memcpy(&f, &bits, 4); return f; }
+inline int __float_as_int(float f) { int bits; memcpy(&bits, &f, 4); return bits; }
 """   # (float2 and make_float2: the PRELUDE of attention_backward_host.py)
 
 # the forward's helper names on the host: mma with pointer operands, packing, ldmatrix over 16-bit rows, copies
@@ -60,13 +62,68 @@ PACKING = {
 }
 PACKING["bfloat16"] = PACKING["float16"]
 
+# plan.producer on the host: mbarriers (by shared address) whose phase flips when the expected arrivals are in, and
+# whose wait blocks until the phase of the asked parity is over; copies land at once, so copies_arrive arrives; the
+# register hand-over does nothing. A wgmma waits for its own warpgroup only (the producer never multiplies)
+PRODUCER_HELPERS = r"""
+struct HostMbarrier {
+  std::mutex mutex; std::condition_variable wake; int expected = 0, pending = 0, phase = 0;
+};
+HostMbarrier host_mbarriers[(1 << 18) / 8];
+inline void barrier_init(unsigned barrier, unsigned count) {
+  HostMbarrier& b = host_mbarriers[barrier / 8];
+  std::lock_guard<std::mutex> lock(b.mutex); b.expected = b.pending = (int)count; b.phase = 0; }
+inline void barrier_arrive(unsigned barrier) {
+  HostMbarrier& b = host_mbarriers[barrier / 8];
+  std::lock_guard<std::mutex> lock(b.mutex);
+  if (--b.pending == 0) { b.pending = b.expected; b.phase ^= 1; b.wake.notify_all(); }
+}
+inline void barrier_wait(unsigned barrier, unsigned parity) {
+  HostMbarrier& b = host_mbarriers[barrier / 8];
+  std::unique_lock<std::mutex> lock(b.mutex);
+  b.wake.wait(lock, [&] { return b.phase != (int)parity; });
+}
+inline void copies_arrive(unsigned barrier) { barrier_arrive(barrier); }
+// bar.sync / bar.arrive: a phase ends when `count` threads arrived; sync also waits for its end
+struct NamedBarrier { std::mutex mutex; std::condition_variable wake; int arrived = 0, generation = 0; };
+NamedBarrier named_barriers[16];
+inline int named_arrival(unsigned id, unsigned count) {
+  NamedBarrier& b = named_barriers[id];
+  std::lock_guard<std::mutex> lock(b.mutex);
+  const int mine = b.generation;
+  if (++b.arrived == (int)count) { b.arrived = 0; b.generation++; b.wake.notify_all(); }
+  return mine;
+}
+inline void named_arrive(unsigned id, unsigned count) { named_arrival(id, count); }
+inline void named_sync(unsigned id, unsigned count) {
+  const int mine = named_arrival(id, count);
+  NamedBarrier& b = named_barriers[id];
+  std::unique_lock<std::mutex> lock(b.mutex);
+  b.wake.wait(lock, [&] { return b.generation != mine; });
+}
+inline void producer_registers() {}
+inline void consumer_registers() {}
+struct WgmmaGroups { Barrier of[8]; WgmmaGroups() { for (Barrier& b : of) b.count = 128; } };
+WgmmaGroups wgmma_groups;
+inline void wgmma_group_sync() { wgmma_groups.of[threadIdx.x / 128].wait(); }
+"""
+
+
+def _wgmma_helpers(plan: AttentionPlan) -> str:
+  """The host wgmma (test/attention_backward_host.py); with a producer warpgroup also PRODUCER_HELPERS, and each
+  wgmma's meeting of threads narrowed from the CTA to its warpgroup."""
+  helpers = wgmma_host_helpers(plan.block_n, plan.head_dim)
+  if not plan.producer: return helpers
+  if helpers.count("__syncthreads();") != 2: raise AssertionError("the host wgmma is not the one this narrows")
+  return PRODUCER_HELPERS + helpers.replace("__syncthreads();", "wgmma_group_sync();")
+
 
 def host_source(plan: AttentionPlan) -> str:
   """The kernel as a C++ program: it reads its buffers (out, q, k, v) from the files named on its command line, runs
   every block of the grid (one host thread per CUDA thread) and writes them back."""
   helpers = HOST_CONVERSIONS[plan.dtype] + ("" if plan.dtype == "float32" else PACKED_OPERANDS) + \
-      host_mma(plan.dtype) + FORWARD_HELPERS + PACKING[plan.dtype] + \
-      (wgmma_host_helpers(plan.block_n, plan.head_dim) if plan.mma == "wgmma" else "")
+      host_mma(plan.dtype) + FORWARD_HELPERS + PACKING[plan.dtype] + (POLY_EXP2_HELPER if plan.exp_poly else "") + \
+      (_wgmma_helpers(plan) if plan.mma == "wgmma" else "")
   source = render_attention(plan, "attention", {"out": 0, "q": 1, "k": 2, "v": 3}, helpers=helpers)
   source = source.replace("extern __shared__ __align__(16) unsigned char attention_shared[];",
                           "alignas(16) unsigned char attention_shared[1 << 18];")
@@ -92,3 +149,24 @@ def run_forward_on_host(plan: AttentionPlan, q: np.ndarray, k: np.ndarray, v: np
     for path, array in zip(paths[1:], (q, k, v)): np.ascontiguousarray(array).tofile(path)
     subprocess.run([binary_path, *paths], check=True, capture_output=True)
     return np.fromfile(paths[0], dtype=np.uint8)
+
+
+def evaluate_poly_exp2_on_host(points: np.ndarray) -> np.ndarray:
+  """codegen/attention_helpers.py's POLY_EXP2_HELPER compiled with g++ and evaluated at float32 `points`."""
+  compiler = host_compiler()
+  if compiler is None: raise RuntimeError("no g++ to run the helper on the host")
+  main = r"""
+int main(int argc, char** argv) {
+  FILE* in = fopen(argv[1], "rb"); FILE* out = fopen(argv[2], "wb"); float x;
+  while (fread(&x, 4, 1, in) == 1) { float y = poly_exp2(x); fwrite(&y, 4, 1, out); }
+  fclose(in); fclose(out); return 0;
+}
+"""
+  with tempfile.TemporaryDirectory(prefix="ourgrad_poly_exp2_") as folder:
+    source_path, binary_path = os.path.join(folder, "poly.cpp"), os.path.join(folder, "poly")
+    with open(source_path, "w") as source_file: source_file.write(PRELUDE + FORWARD_PRELUDE + POLY_EXP2_HELPER + main)
+    subprocess.run([compiler, "-std=c++17", "-O1", "-pthread", "-w", source_path, "-o", binary_path], check=True)
+    inputs, outputs = os.path.join(folder, "in.bin"), os.path.join(folder, "out.bin")
+    np.ascontiguousarray(points, dtype=np.float32).tofile(inputs)
+    subprocess.run([binary_path, inputs, outputs], check=True)
+    return np.fromfile(outputs, dtype=np.float32)

@@ -16,7 +16,8 @@ import torch
 
 from ourgrad import Tensor
 from ourgrad.codegen import attention_wgmma
-from ourgrad.codegen.attention import AttentionKernel, Operand, is_attention, plan_attention, render_attention
+from ourgrad.codegen.attention import (AttentionKernel, Operand, blocks_text, is_attention, plan_attention,
+                                      render_attention)
 from ourgrad.codegen.attention_wgmma import (key_slice_start, key_strides, staged_offset, value_slice_start,
                                              value_strides)
 from ourgrad.codegen.wgmma_tiles import descriptor
@@ -85,6 +86,33 @@ def test_rule_picks_wgmma_for_16_bit_operands_on_sm90(monkeypatch):
   assert _plan(dtypes.bfloat16).mma == "mma_sync"
 
 
+def test_producer_rule_by_registers_and_waves(monkeypatch):
+  """ATTENTION_PRODUCER=1 (the default): three consumer warpgroups at their setmaxnreg share (160) take the most keys a
+  tile that share fits (D = 64: 112) where the grid has PRODUCER_LEAST_WAVES CTAs a multiprocessor (T = 4096; not
+  T = 1024's 288 CTAs on 132); D = 128 fits no 64 keys at 160 and keeps the one-warpgroup rule."""
+  monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  monkeypatch.setenv("ATTENTION_PRODUCER", "1")
+  plan = _plan(dtypes.bfloat16, length=4096)
+  assert blocks_text(plan) == "192,112,4,1,1,1,0,1,160,1" and plan.threads == 512
+  assert attention_wgmma.producer_registers(plan) == 32
+  assert blocks_text(_plan(dtypes.bfloat16, length=1024)) == "64,128,2,1,3"
+  assert blocks_text(_plan(dtypes.bfloat16, 128, length=4096)) == "64,64,2,1,2"
+
+
+def test_producer_plan_round_trips_through_the_python_program(monkeypatch):
+  """The PYTHON device's attention program (runtime/attention_emulator.py: the plan as JSON, what the compile cache
+  stores) gives back the producer plan's every field."""
+  from ourgrad.runtime.attention_emulator import AttentionProgram, attention_program_text
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  monkeypatch.setenv("ATTENTION_BLOCKS", "192,96,4,1,1,1,0,1,160,1,4")
+  plan = _plan(dtypes.bfloat16)
+  assert (plan.producer, plan.pingpong, plan.consumer_registers, plan.exp_poly) == (True, True, 160, 4)
+  program = AttentionProgram("attention", attention_program_text("attention", plan, {"out": 0, "q": 1, "k": 1,
+                                                                                       "v": 1}).encode())
+  assert program.plan == plan
+
+
 def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
   monkeypatch.setenv("ATTENTION_BLOCKS", "64,128,2,1,3")
@@ -98,9 +126,26 @@ def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
   monkeypatch.setenv("ATTENTION_BLOCKS", "128,64,3,1,2,0,1")
   with pytest.raises(ShapeError, match="Q in shared memory"): _plan(dtypes.bfloat16)
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
-  for blocks in ("48,64,2", "128,64,2,2", "128,64,2,1,1,1"):
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,128,2,1,1,1,0,1")
+  plan = _plan(dtypes.bfloat16)
+  # the producer keeps 32 of 168: 128 x 136 registers to the 256 consumers, 168 + 64 each (in granules of 8)
+  assert (plan.producer, plan.overlap, plan.threads, plan.consumer_registers) == (True, True, 384, 232)
+  assert blocks_text(plan) == "128,128,2,1,1,1,0,1,232"
+  monkeypatch.setenv("ATTENTION_BLOCKS", "128,128,2,1,1,0,0,1,200")
+  assert _plan(dtypes.bfloat16).consumer_registers == 200
+  monkeypatch.setenv("ATTENTION_BLOCKS", "64,128,2,1,1,0,0,1")
+  assert _plan(dtypes.bfloat16).consumer_registers == 0   # 255 a thread at launch: nothing to take
+  monkeypatch.setenv("ATTENTION_BLOCKS", "192,64,2,1,1,1,0,1,0,1")
+  plan = _plan(dtypes.bfloat16)
+  assert (plan.pingpong, plan.threads, plan.consumer_registers) == (True, 512, 160)
+  assert blocks_text(plan) == "192,64,2,1,1,1,0,1,160,1"
+  # three consumers at 160 leave the producer 32 (setmaxnreg.dec), at 176 none
+  monkeypatch.setenv("ATTENTION_BLOCKS", "192,96,4,1,1,1,0,1,160")
+  assert attention_wgmma.producer_registers(_plan(dtypes.bfloat16)) == 32
+  for blocks in ("48,64,2", "128,64,2,2", "192,96,4,1,1,1,0,1,176", "128,64,2,1,1,1", "128,64,2,1,1,0,1,1",
+                 "128,64,2,1,1,0,0,0,200", "128,64,2,1,1,0,0,1,0,1", "64,64,2,1,1,1,0,1,0,1"):
     monkeypatch.setenv("ATTENTION_BLOCKS", blocks)
-    with pytest.raises(ShapeError, match="wgmma|overlap"): _plan(dtypes.bfloat16)
+    with pytest.raises(ShapeError, match="wgmma|overlap|producer|ping-pong"): _plan(dtypes.bfloat16)
 
 
 @pytest.mark.skipif(NVRTC is None, reason="NVRTC does not load here")
@@ -120,7 +165,12 @@ def test_cuda_source_compiles_for_sm90a_without_spills(monkeypatch, dtype, causa
   variants = [plan, dataclasses.replace(plan, block_m=128, min_ctas=1),
               dataclasses.replace(plan, block_n=32, stages=3),
               dataclasses.replace(plan, block_n=64, stages=3, min_ctas=2 if head_dim == 64 else 1, overlap=True),
-              dataclasses.replace(plan, stages=3, overlap=True, q_shared=True, min_ctas=2)]
+              dataclasses.replace(plan, stages=3, overlap=True, q_shared=True, min_ctas=2),
+              # a producer warpgroup: the consumers at their setmaxnreg share (232 for two at D = 64 and 128)
+              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, consumer_registers=232),
+              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232),
+              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232,
+                                  pingpong=True, exp_poly=4)]
   for variant in variants:
     source_text = render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1})
     assert "wgmma.mma_async" in source_text and NVRTC.target(source_text) == "sm_90a"
@@ -169,13 +219,27 @@ def test_emulated_h100_forward_takes_the_wgmma_plan(monkeypatch, dtype, causal):
   assert o_error < 2e-2 and lse_error < 2e-2
 
 
+def test_emulated_h100_forward_with_a_producer_plan(monkeypatch):
+  """DEVICE=PYTHON EMULATE=CUDA_SM90 with ATTENTION_BLOCKS asking for three consumers and a producer: the plan
+  reaches the emulator through the program's JSON and its output matches float64 PyTorch."""
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  monkeypatch.setenv("ATTENTION_BLOCKS", "192,96,4,1,1,1,0,1,160,1")
+  with emulated_gpu_tf32(monkeypatch, "CUDA_SM90"):
+    o_error, lse_error = _strided_forward_errors("PYTHON", dtypes.bfloat16, True)
+  assert o_error < 2e-2 and lse_error < 2e-2
+
+
 @pytest.mark.skipif(not device_opens("CUDA"), reason="no CUDA device here")
 @pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("blocks", ["", "64,128,2,1,3", "128,64,3", "128,64,3,1,2,1", "64,64,3,1,4,1",
-                                    "128,128,3,1,1,1,1"])
+                                    "128,128,3,1,1,1,1", "128,128,2,1,1,0,0,1", "128,128,2,1,1,1,0,1",
+                                    "64,64,3,1,2,1,0,1", "192,32,2,1,1,1,0,1", "128,128,2,1,1,1,0,1,0,1",
+                                    "192,96,4,1,1,1,0,1,160,1", "128,128,2,1,1,1,0,1,0,1,3"])
 def test_cuda_wgmma_forward_against_torch(monkeypatch, dtype, causal, blocks):
-  """On an sm_90 GPU: the wgmma kernel (the rule's tiles, others, overlapped) against float64."""
+  """On an sm_90 GPU: the wgmma kernel (the rule's tiles, others, overlapped, with a producer warpgroup) against
+  float64."""
   if not getattr(Device["CUDA"].renderer, "has_wgmma", False): pytest.skip("not an sm_90 GPU")
   monkeypatch.setenv("FUSED_ATTENTION", "2")
   monkeypatch.setenv("ATTENTION_WGMMA", "1")

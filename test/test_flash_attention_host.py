@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from attention_forward_host import run_forward_on_host
+from attention_forward_host import evaluate_poly_exp2_on_host, run_forward_on_host
 from ourgrad.codegen.attention import AttentionPlan, Operand, plan_attention
 from ourgrad.dtype import bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits
 from ourgrad.renderer.cuda import CUDARenderer
@@ -132,6 +132,52 @@ def test_wgmma_forward_kernel_on_host(dtype, causal, config):
   plan, o_error, lse_error = _run(dtype, causal, 1, 2, 1, 83 if causal else 70, 83 if causal else 131, 64, seed=5,
                                   mma="wgmma", block_m=block_m, block_n=block_n, stages=stages, min_ctas=min_ctas,
                                   overlap=overlap, q_shared=q_shared)
+  assert o_error < TOLERANCES[dtype], (plan, o_error)
+  assert lse_error < 2e-2, (plan, lse_error)
+
+
+# (block_m, block_n, stages, overlap, pingpong) of the wgmma kernel with a producer warpgroup: two consumer warpgroups
+# over a two-stage ring, one over three, three consumers with P V in flight over two stages, narrow tiles over four;
+# two and three consumers taking turns
+PRODUCER_CONFIGS = [(128, 128, 2, False, False), (64, 64, 3, False, False), (192, 32, 2, True, False),
+                    (128, 16, 4, True, False), (128, 64, 2, True, True), (192, 16, 3, True, True),
+                    (192, 96, 4, True, True)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("exp_poly", [1, 3])
+def test_polynomial_exp2_on_host(dtype, exp_poly):
+  """plan.exp_poly: every (1: all, 3: every third) 8 keys' exp2 by the cubic of POLY_EXP2_HELPER; the causal mask's
+  -inf scores among them (clamped: P under 1e-37), against float64."""
+  plan, o_error, lse_error = _run(dtype, True, 1, 2, 1, 83, 83, 64, seed=9, mma="wgmma", block_m=128, block_n=64,
+                                  stages=2, overlap=True, producer=True, pingpong=True, min_ctas=1, exp_poly=exp_poly)
+  assert o_error < TOLERANCES[dtype], (plan, o_error)
+  assert lse_error < 2e-2, (plan, lse_error)
+
+
+def test_polynomial_exp2_against_numpy():
+  """The cubic itself on the host over [-130, 0] (whole numbers, halves, the clamp): relative error under 1e-4 of
+  2^x down to 2^-126, and x = -inf gives at most 2^-126."""
+  points = np.concatenate([np.linspace(-130, 0, 20001, dtype=np.float32), [-np.inf, -0.5, 0.5, -125.5]])
+  got = evaluate_poly_exp2_on_host(points.astype(np.float32))
+  inside = points >= -125
+  want = np.exp2(points[inside].astype(np.float64))
+  assert np.abs(got[inside] / want - 1).max() < 1e-4
+  assert (got[~inside] >= 0).all() and (got[~inside] <= 2.0 ** -125).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", PRODUCER_CONFIGS, ids=lambda c: "m{}_n{}_s{}_o{:d}_p{:d}".format(*c))
+def test_wgmma_producer_forward_kernel_on_host(dtype, causal, config):
+  """plan.producer: the consumers read the tiles a producer warpgroup copies through the mbarrier ring; odd lengths,
+  L != S, grouped-query heads, more tiles than stages (the ring's reuse and its phases); with pingpong the turns'
+  named barriers (a wrong count of arrivals hangs or races here as on the GPU)."""
+  block_m, block_n, stages, overlap, pingpong = config
+  plan, o_error, lse_error = _run(dtype, causal, 1, 2, 1, 83 if causal else 70, 83 if causal else 131, 64, seed=8,
+                                  mma="wgmma", block_m=block_m, block_n=block_n, stages=stages, overlap=overlap,
+                                  producer=True, min_ctas=1, pingpong=pingpong)
+  assert plan.threads == block_m * 2 + 128
   assert o_error < TOLERANCES[dtype], (plan, o_error)
   assert lse_error < 2e-2, (plan, lse_error)
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # timing.py, beside t
 import torch  # noqa: E402
 
 from ourgrad import Device, Tensor, TinyJit, dtypes, set_float32_matmul_precision  # noqa: E402
-from ourgrad.codegen.attention import AttentionKernel, is_attention  # noqa: E402
+from ourgrad.codegen.attention import AttentionKernel, blocks_text, is_attention  # noqa: E402
 from ourgrad.engine import realize  # noqa: E402
 from ourgrad.engine.schedule import create_schedule  # noqa: E402
 from timing import back_to_back_seconds  # noqa: E402
@@ -65,8 +65,7 @@ def ourgrad_forward(arrays: list[np.ndarray], dtype: str, causal: bool, device: 
   out = q.scaled_dot_product_attention(k, v, is_causal=causal)
   items = [item for item in create_schedule([out.lazydata]) if is_attention(item.ast)]
   plan = AttentionKernel(items[0].ast, Device[device].renderer).plan
-  blocks = f"{plan.block_m},{plan.block_n},{plan.stages},{plan.warp_tiles},{plan.min_ctas}"
-  blocks += f",{plan.overlap:d},{plan.q_shared:d}" if plan.overlap or plan.q_shared else ""
+  blocks = blocks_text(plan)
   blocks += "" if plan.ldmatrix or plan.mma == "wgmma" else " lds"
   blocks += " wgmma" if plan.mma == "wgmma" else ""
 
@@ -90,7 +89,8 @@ def main() -> None:
   parser.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS,
                       help="block_m,block_n,stages[,warp_tiles[,min_ctas]] each")
   parser.add_argument("--wgmma-configs", nargs="*", default=None,
-                      help="block_m,block_n,stages[,1[,min_ctas]] each for the wgmma kernel (its rule's always first)")
+                      help="block_m,block_n,stages[,1[,min_ctas[,overlap[,q_shared[,producer[,consumer_registers]]]]]] "
+                      "each for the wgmma kernel (its rule's always first)")
   parser.add_argument("--ldmatrix", nargs="+", type=int, default=[1, 0], help="1: ldmatrix fragments, 0: plain loads")
   parser.add_argument("--not-causal", action="store_true")
   parser.add_argument("--device", default="CUDA", help="ourgrad device (PYTHON with EMULATE=CUDA: a smoke test)")

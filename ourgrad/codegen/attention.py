@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ourgrad.codegen import attention_wgmma
+from ourgrad.codegen.attention_helpers import LN_2, LOG2_E, MMA_SHAPES, kernel_helpers
 from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import ShapeError
 from ourgrad.helpers import DEBUG, env_var
@@ -56,11 +57,19 @@ ATTENTION_LDMATRIX = env_var("ATTENTION_LDMATRIX", 1, "0: the fused attention ke
                              "fragments with plain shared-memory loads instead of ldmatrix (codegen/attention.py)")
 ATTENTION_WGMMA = env_var("ATTENTION_WGMMA", 1, "0: the fused attention forward of float16/bfloat16 on sm_90 runs "
                           "on mma.sync instead of wgmma (codegen/attention_wgmma.py)")
+ATTENTION_PRODUCER = env_var("ATTENTION_PRODUCER", 1, "1: the wgmma attention forward's rule takes the producer "
+                             "kernel (three consumer warpgroups fed by a producer warpgroup, "
+                             "codegen/attention_wgmma.py `producer_plan`) where it fits and the grid is large enough; "
+                             "0: one warpgroup a CTA")
 ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
-                           "[,q_shared]]]]] of the fused attention forward instead of its rule's (codegen/attention.py "
-                           "`plan_attention`), e.g. 128,64,2,1,2: what extra/bench/sweep_attention.py tries; overlap "
-                           "1 (wgmma, 3 stages or more): S and softmax while the previous P V runs; q_shared 1 "
-                           "(wgmma): Q staged in shared memory")
+                           "[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly]]]]]]]]] of the fused "
+                           "attention forward instead of its rule's (codegen/attention.py `plan_attention`), e.g. "
+                           "128,64,2,1,2: what extra/bench/sweep_attention.py tries; overlap 1 (wgmma, 3 stages or "
+                           "more, 2 with a producer): S and softmax while the previous P V runs; q_shared 1 (wgmma): "
+                           "Q staged in shared memory; producer 1 (wgmma): a producer warpgroup fills a ring of "
+                           "stages through mbarriers; consumer_registers: the consumers' setmaxnreg (0: their share); "
+                           "pingpong 1: the consumer warpgroups take turns on the tensor cores; exp_poly k: every "
+                           "k-th 8 keys' exp2 by a polynomial on the FMA pipe")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
@@ -103,6 +112,20 @@ class AttentionPlan:
   mma: str = "mma_sync"        # "wgmma": warpgroups of 64 rows, swizzled K/V tiles (codegen/attention_wgmma.py)
   overlap: bool = False        # wgmma: a tile's S and softmax run while the previous tile's P V is in flight
   q_shared: bool = False       # wgmma: Q staged in shared memory once (S's A operand by descriptor), not in registers
+  # wgmma: a producer warpgroup after the block_m / 64 consumer ones copies the key tiles into a ring of `stages`
+  # (mbarriers between them, no barrier of the CTA in the loop; FlashAttention-3's warp specialization)
+  producer: bool = False
+  # producer: the consumers' registers a thread after setmaxnreg.inc (the producer's fall to wgmma_tiles'
+  # PRODUCER_REGISTERS); 0: none, every thread keeps the launch bounds' share
+  consumer_registers: int = 0
+  # producer and overlap, 2+ consumer warpgroups: they take turns issuing their products (named barriers), so one's
+  # softmax overlaps the next one's wgmmas (FlashAttention-3's ping-pong)
+  pingpong: bool = False
+  # every exp_poly-th 8 keys of a tile take exp2 by POLY_EXP2_HELPER on the FMA pipe, the rest by MUFU (at D = 64 a
+  # tile's exponentials take MUFU as long as its products take the tensor cores); 0: all by MUFU
+  exp_poly: int = 0
+  # 32-bit registers of the multiprocessor it runs on (the device's fact: what setmaxnreg divides)
+  multiprocessor_registers: int = ASSUMED_CUDA_GPU.registers_per_multiprocessor
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
@@ -120,7 +143,12 @@ class AttentionPlan:
     return self.scale > 0
 
   @property
-  def threads(self) -> int: return self.warps * WARP_THREADS
+  def consumer_threads(self) -> int:
+    """Threads that compute (all but the producer warpgroup's)."""
+    return self.warps * WARP_THREADS
+
+  @property
+  def threads(self) -> int: return self.consumer_threads + attention_wgmma.WARPGROUP_THREADS * self.producer
 
   @property
   def row_pitch(self) -> int:
@@ -194,14 +222,28 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
                        vector_copies=vector_copies, ldmatrix=bool(ATTENTION_LDMATRIX),
                        mma="wgmma" if wgmma else "mma_sync",
                        block_m=attention_wgmma.WGMMA_BLOCK_M if wgmma else BLOCK_M)
-  if ATTENTION_BLOCKS.value: return _checked(replace(base, **_blocks_override(str(ATTENTION_BLOCKS.value))))
+  registers = getattr(renderer, "registers_per_multiprocessor", 0) or ASSUMED_CUDA_GPU.registers_per_multiprocessor
+  base = replace(base, multiprocessor_registers=registers)
+  if ATTENTION_BLOCKS.value: return _with_consumer_registers(
+      _checked(replace(base, **_blocks_override(str(ATTENTION_BLOCKS.value)))), registers)
   budget = renderer.dynamic_local_memory_bytes // CTAS_PER_PROCESSOR
   fitting = [replace(base, block_n=block_n) for block_n in BLOCK_N_CHOICES]
   fitting = [plan for plan in fitting if plan.fragment_registers <= FRAGMENT_REGISTERS and plan.shared_bytes <= budget]
   plan = fitting[0] if fitting else replace(base, block_n=BLOCK_N_CHOICES[-1])
   if not wgmma: return plan
-  registers = getattr(renderer, "registers_per_multiprocessor", 0) or ASSUMED_CUDA_GPU.registers_per_multiprocessor
-  return replace(plan, min_ctas=attention_wgmma.resident_ctas(plan, CTAS_PER_PROCESSOR, registers))
+  multiprocessors = getattr(renderer, "multiprocessors", 0) or ASSUMED_CUDA_GPU.multiprocessors
+  producer = attention_wgmma.producer_plan(plan, multiprocessors, registers, renderer.dynamic_local_memory_bytes) \
+      if ATTENTION_PRODUCER else None
+  return producer or replace(plan, min_ctas=attention_wgmma.resident_ctas(plan, CTAS_PER_PROCESSOR, registers))
+
+
+def _with_consumer_registers(plan: AttentionPlan, multiprocessor_registers: int) -> AttentionPlan:
+  """A producer's plan with consumer_registers left 0: the consumers take their share of the registers
+  (attention_wgmma.consumer_register_share) where it is more than the launch bounds give every thread."""
+  if not plan.producer or plan.consumer_registers: return plan
+  share = attention_wgmma.consumer_register_share(plan, multiprocessor_registers)
+  at_launch = attention_wgmma.launch_registers(plan.threads, plan.min_ctas, multiprocessor_registers)
+  return replace(plan, consumer_registers=share) if share > at_launch else plan
 
 
 def _checked(plan: AttentionPlan) -> AttentionPlan:
@@ -209,23 +251,51 @@ def _checked(plan: AttentionPlan) -> AttentionPlan:
   if plan.mma == "wgmma" and (plan.block_m % attention_wgmma.WARPGROUP_ROWS or plan.warp_tiles != 1):
     raise ShapeError(f"wgmma attention with {plan.block_m} rows a CTA, {plan.warp_tiles} m tiles a warp: want a "
                      f"multiple of {attention_wgmma.WARPGROUP_ROWS} rows and 1")
-  if plan.overlap and (plan.mma != "wgmma" or plan.stages < 3):
-    raise ShapeError(f"overlapped attention tiles with {plan.mma}, {plan.stages} stages: want wgmma and 3 or more")
+  # (the CTA's barrier orders the reuse of a stage with 3 or more; the producer's ring with 2)
+  if plan.overlap and (plan.mma != "wgmma" or plan.stages < (2 if plan.producer else 3)):
+    raise ShapeError(f"overlapped attention tiles with {plan.mma}, {plan.stages} stages: want wgmma and 3 or more "
+                     "(2 with a producer warpgroup)")
   if plan.q_shared and (plan.mma != "wgmma" or not plan.q.vector_aligned(COPY_BYTES // plan.itemsize)):
     raise ShapeError(f"Q in shared memory with {plan.mma}, q {plan.q}: want wgmma and 16-byte aligned rows")
+  if plan.producer and (plan.mma != "wgmma" or plan.q_shared or plan.stages < 2):
+    raise ShapeError(f"a producer warpgroup with {plan.mma}, q_shared {plan.q_shared}, {plan.stages} stages: want "
+                     "wgmma, Q in registers and 2 stages or more")
+  if plan.pingpong and not (plan.producer and plan.overlap and plan.block_m >= 2 * attention_wgmma.WARPGROUP_ROWS):
+    raise ShapeError(f"ping-pong of {plan.block_m // attention_wgmma.WARPGROUP_ROWS} consumer warpgroups, producer "
+                     f"{plan.producer}, overlap {plan.overlap}: want a producer, overlap and 2 warpgroups or more")
+  if plan.exp_poly < 0: raise ShapeError(f"exp_poly {plan.exp_poly}: want every k-th 8 keys, k >= 1, or 0 for none")
+  if plan.consumer_registers and plan.producer and \
+      attention_wgmma.producer_registers(plan) < attention_wgmma.LEAST_PRODUCER_REGISTERS:
+    raise ShapeError(f"{plan.consumer_registers} registers for each of {plan.consumer_threads} consumer threads leave "
+                     f"the producer {attention_wgmma.producer_registers(plan)} a thread: want "
+                     f"{attention_wgmma.LEAST_PRODUCER_REGISTERS} or more")
+  if plan.consumer_registers and not plan.producer:
+    raise ShapeError(f"{plan.consumer_registers} consumer registers without a producer warpgroup to take them from")
   return plan
 
 
+BLOCKS_FIELDS = ("block_m", "block_n", "stages", "warp_tiles", "min_ctas", "overlap", "q_shared", "producer",
+                 "consumer_registers", "pingpong", "exp_poly")
+_FLAG_FIELDS = ("overlap", "q_shared", "producer", "pingpong")
+
+
 def _blocks_override(text: str) -> dict[str, Any]:
-  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap[,q_shared]]]]]" as plan fields."""
+  """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap[,q_shared[,producer
+  [,consumer_registers[,pingpong[,exp_poly]]]]]]]]]" as plan fields."""
   values = [int(part) for part in text.split(",")]
   warp_rows = WARP_ROWS * (values[3] if len(values) >= 4 else 1)
-  if not 2 <= len(values) <= 7 or values[0] % warp_rows or values[1] % 16:
+  if not 2 <= len(values) <= len(BLOCKS_FIELDS) or values[0] % warp_rows or values[1] % 16:
     raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
-                     f"[,q_shared]]]]], block_m a multiple of {WARP_ROWS} * warp_tiles, block_n of 16")
-  fields: dict[str, Any] = dict(zip(("block_m", "block_n", "stages", "warp_tiles", "min_ctas"), values))
-  fields.update({name: bool(value) for name, value in zip(("overlap", "q_shared"), values[5:])})
-  return fields
+                     f"[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly]]]]]]]]], block_m a multiple of "
+                     f"{WARP_ROWS} * warp_tiles, block_n of 16")
+  return {name: bool(value) if name in _FLAG_FIELDS else value for name, value in zip(BLOCKS_FIELDS, values)}
+
+
+def blocks_text(plan: AttentionPlan) -> str:
+  """The plan's tiles as ATTENTION_BLOCKS writes them (the fields after min_ctas only as far as one is set)."""
+  values = [int(getattr(plan, name)) for name in BLOCKS_FIELDS]
+  while len(values) > 5 and not values[-1]: values.pop()
+  return ",".join(map(str, values))
 
 
 def is_attention(ast: LazyOp) -> bool:
@@ -287,81 +357,6 @@ class AttentionKernel:
 # ---------------------------------------------------------------- the CUDA kernel
 
 STORAGE_TYPE = {"float32": "float", "float16": "unsigned short", "bfloat16": "unsigned short"}
-# m16n8k16 for 16-bit operands, m16n8k8 TF32 for float32: (k per instruction, A registers, PTX type)
-MMA_SHAPES = {"float32": (8, 4, "tf32"), "float16": (16, 4, "f16"), "bfloat16": (16, 4, "bf16")}
-LOG2_E, LN_2 = 1.4426950408889634, 0.6931471805599453
-
-_HELPERS_16 = """__device__ __forceinline__ unsigned pack_bits(unsigned short low, unsigned short high) {
-  return (unsigned)low | ((unsigned)high << 16);
-}
-__device__ __forceinline__ unsigned pack_floats(float low, float high) {
-  unsigned packed;
-  asm("cvt.rn.TYPEx2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
-  return packed;
-}
-__device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.TYPE.TYPE.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-"""
-
-_HELPERS_TF32 = """__device__ __forceinline__ unsigned tf32(float value) {
-  unsigned rounded;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(rounded) : "f"(value));
-  return rounded;
-}
-__device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-"""
-
-# ldmatrix: lanes 8j..8j+7 give the row addresses of 8x8 matrix j; with .trans each lane gets a column pair instead
-_LDMATRIX_HELPERS = """__device__ __forceinline__ void load_matrices(unsigned* r, const void* rows) {
-  unsigned address = (unsigned)__cvta_generic_to_shared(rows);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
-}
-__device__ __forceinline__ void load_matrices_transposed(unsigned* r, const unsigned short* rows) {
-  unsigned address = (unsigned)__cvta_generic_to_shared(rows);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
-}
-"""
-
-_COPY_HELPER = """__device__ __forceinline__ void copy16(void* target, const void* source, bool inside) {
-  unsigned address = (unsigned)__cvta_generic_to_shared(target);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(address), "l"(source), "r"(inside ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void copy_wait_all_but_one() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-"""
-
-
-# 2^x as one MUFU.EX2 (exp2f without fast math adds a range check and two multiplies for subnormal results; a
-# probability under 2^-126 flushed to 0 changes no sum)
-_EXP2_HELPER = """__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-"""
-
-
-def kernel_helpers(plan: AttentionPlan) -> str:
-  """The device functions the kernel calls, written with PTX: mma (and the operand conversions it needs), exp2,
-  ldmatrix loads, cp.async copies. test/attention_forward_host.py swaps them for host versions to run the kernel on a
-  CPU."""
-  helpers = _HELPERS_TF32 if plan.dtype == "float32" else _HELPERS_16.replace("TYPE", MMA_SHAPES[plan.dtype][2])
-  if plan.mma == "wgmma":
-    return helpers + _EXP2_HELPER + _COPY_HELPER + attention_wgmma.wgmma_helpers(plan, MMA_SHAPES[plan.dtype][2])
-  return (helpers + _EXP2_HELPER + (_LDMATRIX_HELPERS if plan.ldmatrix else "") +
-          (_COPY_HELPER if plan.vector_copies else ""))
-
-
 def _element_offset(operand: Operand, batch: str, head: str) -> str:
   return f"{operand.offset} + (long long)({batch}) * {operand.strides[0]} + (long long)({head}) * {operand.strides[1]}"
 
@@ -556,8 +551,11 @@ def _softmax_lines(plan: AttentionPlan, deferred: bool = False) -> list[str]:
   scaled_max = "tile_max * scale_log2" if plan.folded_scale else "tile_max"
 
   def power(element: str) -> str:
-    if plan.folded_scale: return f"{element} = fast_exp2(fmaf({element}, scale_log2, -reference));"
-    return f"{element} = fast_exp2({element} - reference);"
+    argument = f"fmaf({element}, scale_log2, -reference)" if plan.folded_scale else f"{element} - reference"
+    # (n is a constant in the unrolled loop: each element is one or the other)
+    if plan.exp_poly: return (f"{element} = n % {plan.exp_poly} == {plan.exp_poly - 1} ? poly_exp2({argument}) : "
+                              f"fast_exp2({argument});")
+    return f"{element} = fast_exp2({argument});"
   return ["#pragma unroll",
           f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
           "#pragma unroll",
@@ -737,6 +735,8 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     f"  const {storage}* k_base = k_buffer + {_element_offset(plan.k, 'batch', 'kv_head')};",
     f"  const {storage}* v_base = v_buffer + {_element_offset(plan.v, 'batch', 'kv_head')};",
     f"  const float scale_log2 = {plan.scale * LOG2_E!r}f;",
+    # (a producer warpgroup copies the tiles from here on and leaves; the consumers go on)
+    *([f"  int tiles = {tiles};", *attention_wgmma.producer_lines(plan)] if plan.producer else []),
     *([] if plan.q_shared else _q_fragment_lines(plan)),
     f"  float outputs[{plan.warp_tiles}][{plan.head_dim // 8}][4], row_max[{plan.warp_tiles}][2], "
     f"row_sum[{plan.warp_tiles}][2];",
@@ -748,16 +748,25 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     "    row_max[mt][0] = row_max[mt][1] = NEG_INF;",
     "    row_sum[mt][0] = row_sum[mt][1] = 0.0f;",
     "  }",
-    *(attention_wgmma.copy_tile_lines(plan) if wgmma else _copy_tile_lines(plan)),
-    *(attention_wgmma.copy_q_lines(plan) if plan.q_shared else []),
-    f"  int tiles = {tiles};",
-    "  copy_tile(0, 0);",
-    *(attention_wgmma.overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
-                                            _rescale_lines(plan)) if plan.overlap else _loop_lines(plan)),
+    *(_consumer_loop_lines(plan) if plan.producer else [
+      *(attention_wgmma.copy_tile_lines(plan) if wgmma else _copy_tile_lines(plan)),
+      *(attention_wgmma.copy_q_lines(plan) if plan.q_shared else []),
+      f"  int tiles = {tiles};",
+      "  copy_tile(0, 0);",
+      *(attention_wgmma.overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
+                                              _rescale_lines(plan)) if plan.overlap else _loop_lines(plan))]),
     *_store_lines(plan),
     "}",
   ]
   return "\n".join(line for line in lines if line) + "\n"
+
+
+def _consumer_loop_lines(plan: AttentionPlan) -> list[str]:
+  """The consumer warpgroups' loop over the tiles a producer warpgroup copies (attention_wgmma.producer_lines)."""
+  if plan.overlap:
+    return attention_wgmma.consumer_overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
+                                                          _rescale_lines(plan))
+  return attention_wgmma.consumer_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan))
 
 
 def _loop_lines(plan: AttentionPlan) -> list[str]:

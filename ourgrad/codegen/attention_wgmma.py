@@ -27,10 +27,12 @@ Not here yet: a producer warp with TMA copies and mbarriers, and two warpgroups 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ourgrad.codegen.wgmma_copies import ATOM_BYTES, PIECE_BYTES, ROW_BYTES
-from ourgrad.codegen.wgmma_tiles import SLICE_BYTES, SWIZZLE_128B, CExpr, launch_registers
+from ourgrad.codegen.wgmma_tiles import (BARRIER_HELPERS, PRODUCER_REGISTERS, SLICE_BYTES, SWIZZLE_128B,
+                                         WARPGROUP_THREADS, CExpr, launch_registers)
 
 if TYPE_CHECKING:
   from ourgrad.codegen.attention import AttentionPlan
@@ -46,6 +48,17 @@ WGMMA_BLOCK_M = 64
 # D = 64 with 128 keys a tile (112 of fragments)
 WGMMA_OVERHEAD_REGISTERS = 54
 WGMMA_DTYPES = ("float16", "bfloat16")
+# the rule's kernel where it fits (producer_plan, ATTENTION_PRODUCER=1): a producer warpgroup and three consumers of
+# 64 rows each over a ring of 4 stages, overlapped, ping-pong. H200, bf16 causal B=4 H=12 D=64 T=4096, one call
+# (results/sweep_attention_producer_h200_s16_2.txt): 192 x 112 0.320 ms, 192 x 96 0.319 (with or without
+# ping-pong), the one-warpgroup rule 0.333, PyTorch 0.259; 3 stages without overlap 0.348, two consumers 0.367+,
+# 2 stages with overlap (no prefetch left) 0.46-0.72, exp_poly slower (results/sweep_attention_producer_h200_s16.txt)
+PRODUCER_CONSUMERS, PRODUCER_STAGES, PRODUCER_OVERLAP, PRODUCER_LEAST_WAVES = 3, 4, True, 4
+# registers a producer thread keeps when the consumers take their share (its cp.async loop fits 32), and the fewest
+# it may be left with (setmaxnreg's least is 24)
+PRODUCER_KEEPS, LEAST_PRODUCER_REGISTERS = 32, 24
+# the fewest keys a tile of the rule's producer kernel (fewer: more rescales and waits than the shared tiles save)
+PRODUCER_LEAST_KEYS = 64
 
 
 def wgmma_refusal(dtype: str, head_dim: int, vector_copies: bool) -> str | None:
@@ -66,6 +79,44 @@ def resident_ctas(plan: AttentionPlan, most: int, multiprocessor_registers: int)
   return max(fitting, default=1)
 
 
+def consumer_register_share(plan: AttentionPlan, multiprocessor_registers: int) -> int:
+  """Registers a consumer thread of plan.producer may take by setmaxnreg: the CTA's share of the multiprocessor's
+  registers (its launch bounds: threads x min_ctas resident) less the producer's PRODUCER_KEEPS, over the consumers,
+  in granules of 8, at most 240 (1 CTA of 2 consumer warpgroups: 168 a thread at launch, 232 after; of 3: 160)."""
+  pool = launch_registers(plan.threads, plan.min_ctas, multiprocessor_registers) * plan.threads - \
+      WARPGROUP_THREADS * PRODUCER_KEEPS
+  return min(pool // plan.consumer_threads // 8 * 8, 240)
+
+
+def producer_plan(plan: AttentionPlan, multiprocessors: int, multiprocessor_registers: int,
+                  shared_limit: int) -> AttentionPlan | None:
+  """The rule's producer kernel for a wgmma plan (ATTENTION_PRODUCER=1): PRODUCER_CONSUMERS consumer warpgroups over
+  a ring of PRODUCER_STAGES, overlapped and ping-pong (PRODUCER_OVERLAP), one CTA a multiprocessor, the consumers at
+  their setmaxnreg share (consumer_register_share), keys a tile the most (a multiple of 16 from 128 to
+  PRODUCER_LEAST_KEYS) whose fragments and WGMMA_OVERHEAD_REGISTERS fit that share (D = 64, 3 consumers at 160: 112;
+  ptxas fits them without spills) and whose stages fit `shared_limit`; None where none fits (D = 128 with 3
+  consumers) or where the grid is under PRODUCER_LEAST_WAVES CTAs a multiprocessor (a CTA of 2-3 warpgroups needs
+  more of them to even out the causal tails than the 1-warpgroup ones)."""
+  consumers = replace(plan, block_m=PRODUCER_CONSUMERS * WARPGROUP_ROWS, stages=PRODUCER_STAGES, min_ctas=1,
+                      producer=True, overlap=PRODUCER_OVERLAP, pingpong=PRODUCER_OVERLAP and PRODUCER_CONSUMERS > 1)
+  if consumers.query_blocks * plan.heads * plan.batch < PRODUCER_LEAST_WAVES * multiprocessors: return None
+  share = consumer_register_share(consumers, multiprocessor_registers)
+  for block_n in range(128, PRODUCER_LEAST_KEYS - 1, -16):
+    candidate = replace(consumers, block_n=block_n, consumer_registers=share)
+    if candidate.fragment_registers + WGMMA_OVERHEAD_REGISTERS <= share and candidate.shared_bytes <= shared_limit:
+      return candidate
+  return None
+
+
+def producer_registers(plan: AttentionPlan) -> int:
+  """Registers a producer thread keeps after setmaxnreg.dec: the CTA's launch registers less the consumers'
+  consumer_registers, over the producer's 128 threads, in granules of 8, at most PRODUCER_REGISTERS (its copies
+  need 24 to 40; 3 consumers at 160 leave 32)."""
+  pool = launch_registers(plan.threads, plan.min_ctas, plan.multiprocessor_registers) * plan.threads
+  return min((pool - plan.consumer_threads * plan.consumer_registers) // WARPGROUP_THREADS // 8 * 8,
+             PRODUCER_REGISTERS)
+
+
 def tile_bytes(plan: AttentionPlan) -> int:
   """Bytes of one staged K (or V) tile: block_n rows of 128 bytes per 64 columns of D."""
   return plan.block_n * plan.head_dim * plan.itemsize
@@ -79,10 +130,15 @@ def q_tile_bytes(plan: AttentionPlan) -> int:
   return plan.block_m * plan.head_dim * plan.itemsize if plan.q_shared else 0
 
 
+def barrier_offset(plan: AttentionPlan) -> int:
+  """Where the producer's mbarriers start from the aligned base: after the stages and the Q tile."""
+  return plan.stages * stage_bytes(plan) + q_tile_bytes(plan)
+
+
 def shared_bytes(plan: AttentionPlan) -> int:
-  """The stages' K and V tiles, the Q tile after them (q_shared), and room to align their base to an atom (the
-  swizzle is a function of address bits 7-9)."""
-  return plan.stages * stage_bytes(plan) + q_tile_bytes(plan) + ATOM_BYTES
+  """The stages' K and V tiles, the Q tile after them (q_shared), the producer's mbarriers (8 bytes, `full` and
+  `empty` a stage), and room to align their base to an atom (the swizzle is a function of address bits 7-9)."""
+  return barrier_offset(plan) + 16 * plan.stages * plan.producer + ATOM_BYTES
 
 
 def staged_offset(block_n: int, row, column):
@@ -183,7 +239,32 @@ def product_helpers(scores_n: int, head_dim: int, ptx_type: str, shared_a: bool 
 def wgmma_helpers(plan: AttentionPlan, ptx_type: str) -> str:
   """The wgmma kernel's PTX helpers (`product_helpers`): S's n = block_n, A from registers or (q_shared) shared
   memory; O's n = D."""
-  return product_helpers(plan.block_n, plan.head_dim, ptx_type, plan.q_shared)
+  helpers = product_helpers(plan.block_n, plan.head_dim, ptx_type, plan.q_shared)
+  return helpers + producer_helpers(plan) if plan.producer else helpers
+
+
+def producer_helpers(plan: AttentionPlan) -> str:
+  """plan.producer's helpers: the mbarriers (wgmma_tiles.BARRIER_HELPERS), `copies_arrive` (this thread's cp.async
+  copies so far arrive on a barrier when they land) and the register hand-over (setmaxnreg; no-ops without
+  consumer_registers)."""
+  def registers(kind: str, count: int) -> str:
+    return f'asm volatile("setmaxnreg.{kind}.sync.aligned.u32 {count};");' if plan.consumer_registers else ""
+  return "\n".join([*BARRIER_HELPERS,
+                    "__device__ __forceinline__ void copies_arrive(unsigned barrier) {",
+                    '  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(barrier) : '
+                    '"memory");',
+                    "}",
+                    "__device__ __forceinline__ void producer_registers() "
+                    f"{{ {registers('dec', producer_registers(plan))} }}",
+                    "__device__ __forceinline__ void consumer_registers() "
+                    f"{{ {registers('inc', plan.consumer_registers)} }}",
+                    # named barriers (0 is __syncthreads): wait with `count` threads arrived, or arrive and go on
+                    "__device__ __forceinline__ void named_sync(unsigned id, unsigned count) {",
+                    '  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");',
+                    "}",
+                    "__device__ __forceinline__ void named_arrive(unsigned id, unsigned count) {",
+                    '  asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");',
+                    "}", ""])
 
 
 def copy_q_lines(plan: AttentionPlan) -> list[str]:
@@ -200,14 +281,16 @@ def copy_q_lines(plan: AttentionPlan) -> list[str]:
           "  }"]
 
 
-def copy_tile_lines(plan: AttentionPlan) -> list[str]:
+def copy_tile_lines(plan: AttentionPlan, thread: str = "threadIdx.x", threads: int = 0,
+                    landing: str = "    copy_commit();") -> list[str]:
   """`copy_tile(tile, stage)`: the key and value rows of one tile into the stage's swizzled K and V tiles by 16-byte
-  cp.async (rows past S as zeros), one commit group."""
+  cp.async (rows past S as zeros), copying thread `thread` of `threads` (default: every thread of the CTA), then
+  `landing` (one commit group; the producer: an arrival on the stage's `full` barrier when the copies land)."""
   pieces = plan.head_dim // 8
   target = staged_offset(plan.block_n, CExpr("row"), CExpr("column"))
   return ["  auto copy_tile = [&](int tile, int stage) {",
           f"    unsigned k_stage = shared_base + stage * {stage_bytes(plan)}, v_stage = k_stage + {tile_bytes(plan)};",
-          f"    for (int piece = threadIdx.x; piece < {plan.block_n * pieces}; piece += {plan.threads}) {{",
+          f"    for (int piece = {thread}; piece < {plan.block_n * pieces}; piece += {threads or plan.threads}) {{",
           f"      int row = piece / {pieces}, column = (piece % {pieces}) * 8;",
           f"      int key = tile * {plan.block_n} + row;",
           f"      bool inside = key < {plan.source};",
@@ -216,7 +299,7 @@ def copy_tile_lines(plan: AttentionPlan) -> list[str]:
           f"      stage16(k_stage + target, k_base + clamped * {plan.k.strides[2]} + column, inside);",
           f"      stage16(v_stage + target, v_base + clamped * {plan.v.strides[2]} + column, inside);",
           "    }",
-          "    copy_commit();",
+          landing,
           "  };"]
 
 
@@ -318,3 +401,119 @@ def overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[st
     "  wgmma_fence();",
     *_values_issue_lines(plan, "last_values", "  "),
     "  wgmma_wait_all();"]
+
+
+# ---------------------------------------------------------------- the producer warpgroup (plan.producer)
+
+def producer_lines(plan: AttentionPlan) -> list[str]:
+  """The CTA's mbarriers set up, then the producer warpgroup (the threads after the consumers') copying the key tiles
+  into the ring of `stages` and leaving: tile t goes to stage t % stages once the consumers released the tile before
+  it there (`empty`: every consumer thread arrives, phase t / stages - 1), and each producer thread's copies arrive
+  on the stage's `full` barrier (128 arrivals) as they land (cp.async.mbarrier.arrive.noinc: no wait in the
+  producer, up to `stages` tiles in flight). With `consumer_registers` the producer gives registers back
+  (setmaxnreg.dec) for the consumers to take."""
+  stages, consumers = plan.stages, plan.consumer_threads
+  return [f"  unsigned full = shared_base + {barrier_offset(plan)}, empty = full + {8 * stages};",
+          "  if (threadIdx.x == 0) {",
+          f"    for (int stage = 0; stage < {stages}; stage++) {{",
+          f"      barrier_init(full + 8 * stage, {WARPGROUP_THREADS});",
+          f"      barrier_init(empty + 8 * stage, {consumers});",
+          "    }",
+          "  }",
+          "  __syncthreads();",
+          f"  if (threadIdx.x >= {consumers}) {{",
+          "    producer_registers();",
+          *("  " + line for line in copy_tile_lines(plan, f"(threadIdx.x - {consumers})", WARPGROUP_THREADS,
+                                                    "    copies_arrive(full + 8 * stage);")),
+          "    for (int tile = 0; tile < tiles; tile++) {",
+          f"      int stage = tile % {stages};",
+          f"      if (tile >= {stages}) barrier_wait(empty + 8 * stage, (tile / {stages} - 1) & 1);",
+          "      copy_tile(tile, stage);",
+          "    }",
+          "    copy_commit();",
+          "    copy_wait_all();",
+          "    return;",
+          "  }",
+          "  consumer_registers();"]
+
+
+def _await_tile_lines(plan: AttentionPlan) -> list[str]:
+  """A consumer waiting for tile `tile` in its stage (`full`, phase tile / stages), then fencing the async proxy:
+  the copies landed through the generic one, the tensor cores read through the async one."""
+  return [f"    barrier_wait(full + 8 * (tile % {plan.stages}), (tile / {plan.stages}) & 1);",
+          "    async_proxy_fence();"]
+
+
+def consumer_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str]) -> list[str]:
+  """The consumers' loop over key tiles (plan.producer, without overlap): wait for the tile, S, mask, softmax,
+  O += P V, release the stage (`empty`). No barrier of the CTA: each warpgroup runs at its own pace, the ring keeps
+  them within `stages` tiles of each other."""
+  stage = stage_bytes(plan)
+  return ["  for (int tile = 0; tile < tiles; tile++) {",
+          *_await_tile_lines(plan),
+          f"    unsigned k_stage = shared_base + (tile % {plan.stages}) * {stage}, v_stage = k_stage + "
+          f"{tile_bytes(plan)};",
+          *scores_lines(plan), *mask, *softmax, *weighted_sum_lines(plan),
+          f"    barrier_arrive(empty + 8 * (tile % {plan.stages}));",
+          "  }"]
+
+
+# the named barrier of consumer warpgroup w's turn on the tensor cores (plan.pingpong) is PINGPONG_BARRIER + w (0 is
+# __syncthreads)
+PINGPONG_BARRIER = 1
+
+
+def _turn_lines(plan: AttentionPlan) -> tuple[list[str], list[str], list[str]]:
+  """plan.pingpong: (before the loop, before a tile's wgmmas are issued, after) of the consumer warpgroups' turns:
+  warpgroup w issues once warpgroup w - 1 has issued its own (named barrier PINGPONG_BARRIER + w: its 128 threads
+  wait, w - 1's arrive), so one's softmax runs while the next one's products do (FlashAttention-3's ping-pong). The
+  last warpgroup opens the first turn before its loop, and the first one takes the turn the last one hands it after
+  the last tile once more after its loop (each barrier gets as many arrivals as waits; an arrival under a condition
+  between the wgmmas and their wait would make ptxas serialize them). Without pingpong: nothing."""
+  if not plan.pingpong: return [], [], [], []
+  groups, pair = plan.consumer_threads // WARPGROUP_THREADS, 2 * WARPGROUP_THREADS
+  return ([f"  int warpgroup = threadIdx.x / {WARPGROUP_THREADS};",
+           f"  if (warpgroup == {groups - 1}) named_arrive({PINGPONG_BARRIER}, {pair});"],
+          [f"    named_sync({PINGPONG_BARRIER} + warpgroup, {pair});"],
+          [f"    named_arrive({PINGPONG_BARRIER} + (warpgroup + 1) % {groups}, {pair});"],
+          [f"  if (warpgroup == 0) named_sync({PINGPONG_BARRIER}, {pair});"])
+
+
+def consumer_overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str],
+                                   rescale: list[str]) -> list[str]:
+  """overlapped_loop_lines for the consumers of plan.producer: the tile's stage awaited on its `full` barrier instead
+  of the CTA's barrier, and the previous tile's stage released (`empty`) once its P V is done (two stages suffice:
+  a consumer holds tile t - 1's values while it waits for tile t); with pingpong the warpgroups take turns issuing
+  (_turn_lines)."""
+  stages, stage = plan.stages, stage_bytes(plan)
+  opening, turn, turn_over, closing = _turn_lines(plan)
+  return [
+    f"  unsigned p[{plan.block_n // 16}][4];",
+    "  float row_rescale[1][2];",
+    *opening,
+    "  for (int tile = 0; tile < tiles; tile++) {",
+    *_await_tile_lines(plan),
+    f"    unsigned k_stage = shared_base + (tile % {stages}) * {stage};",
+    f"    unsigned previous_values = shared_base + ((tile + {stages - 1}) % {stages}) * {stage} + {tile_bytes(plan)};",
+    *turn,
+    *_scores_issue_lines(plan),
+    "    if (tile > 0) {",
+    *_values_issue_lines(plan, "previous_values", "      "),
+    *("  " + line for line in turn_over),
+    "      wgmma_wait_one();",
+    "    } else {",
+    *("  " + line for line in turn_over),
+    "      wgmma_wait_all();",
+    "    }",
+    *mask,
+    *softmax,
+    "    wgmma_wait_all();",
+    f"    if (tile > 0) barrier_arrive(empty + 8 * ((tile + {stages - 1}) % {stages}));",
+    *rescale,
+    *_pack_lines(plan, declare=False),
+    "  }",
+    f"  unsigned last_values = shared_base + ((tiles - 1) % {stages}) * {stage} + {tile_bytes(plan)};",
+    "  wgmma_fence();",
+    *_values_issue_lines(plan, "last_values", "  "),
+    "  wgmma_wait_all();",
+    *closing]

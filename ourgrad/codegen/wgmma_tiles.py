@@ -504,7 +504,7 @@ def render_wgmma_matmul(plan: WgmmaMatmul, name: str | None = None, arguments: d
     "__device__ __forceinline__ void copy16(unsigned target, const void* source) {",
     '  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(target), "l"(source) : "memory");',
     "}",
-    *(_BARRIER_HELPERS if plan.specialized else []),
+    *(BARRIER_HELPERS if plan.specialized else []),
     *_signature(plan, name or plan.name, arguments),
     # the 128-byte swizzle is a function of address bits 7-9: the tiles start on a 1024-byte boundary
     "  unsigned shared_base = ((unsigned)__cvta_generic_to_shared(wgmma_shared) + 1023u) & ~1023u;",
@@ -597,8 +597,9 @@ def _deep_cooperative_loop(plan: WgmmaMatmul) -> list[str]:
   ]
 
 
-# mbarriers of the specialized kernel: init, arrive (release), wait for a phase's parity (acquire), in a C loop
-_BARRIER_HELPERS = [
+# mbarriers of the specialized kernels (this matmul's, attention_wgmma's producer): init, arrive (release), wait for a
+# phase's parity (acquire), in a C loop
+BARRIER_HELPERS = [
   "__device__ __forceinline__ void barrier_init(unsigned barrier, unsigned count) {",
   '  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(barrier), "r"(count) : "memory");',
   "}",
