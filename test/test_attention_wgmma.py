@@ -59,8 +59,8 @@ def test_staged_tiles_read_back_through_the_descriptors(block_n, head_dim):
     np.testing.assert_array_equal(got, tile[16 * j:16 * j + 16].T)
 
 
-def _plan(dtype, head_dim: int = 64, renderer=None, offset: int = 0, length: int = 1024):
-  batch, heads = 4, 12
+def _plan(dtype, head_dim: int = 64, renderer=None, offset: int = 0, length: int = 1024, batch: int = 4):
+  heads = 12
   operand = Operand(1, offset, (heads * length * head_dim, length * head_dim, head_dim, 1))
   shape = (batch, heads, length, head_dim)
   return plan_attention(operand, operand, operand, (shape, shape), dtype, True, 0.125,
@@ -98,6 +98,19 @@ def test_producer_rule_by_registers_and_waves(monkeypatch):
   assert attention_wgmma.producer_registers(plan) == 32
   assert blocks_text(_plan(dtypes.bfloat16, length=1024)) == "64,128,2,1,3"
   assert blocks_text(_plan(dtypes.bfloat16, 128, length=4096)) == "64,64,2,1,2"
+
+
+def test_producer_rule_needs_rings_of_key_tiles(monkeypatch):
+  """A grid with enough CTAs (B=16 T=1024: 1152 on 132 multiprocessors) still keeps the one-warpgroup rule where a
+  causal CTA streams about 5 key tiles of 112 (about one ring of 4 stages: H200 0.140 ms against 0.113); T=4096
+  streams ~19 and takes the producer kernel."""
+  monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
+  monkeypatch.setenv("ATTENTION_WGMMA", "1")
+  monkeypatch.setenv("ATTENTION_PRODUCER", "1")
+  assert blocks_text(_plan(dtypes.bfloat16, length=1024, batch=16)) == "64,128,2,1,3"
+  assert blocks_text(_plan(dtypes.bfloat16, length=4096, batch=16)) == "192,112,4,1,1,1,0,1,160,1"
+  long = _plan(dtypes.bfloat16, length=4096)
+  assert attention_wgmma.mean_key_tiles(long) == 19 and attention_wgmma.PRODUCER_LEAST_RINGS * 4 <= 19
 
 
 def test_producer_plan_round_trips_through_the_python_program(monkeypatch):

@@ -27,6 +27,7 @@ Not here yet: a producer warp with TMA copies and mbarriers, and two warpgroups 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,11 @@ WGMMA_DTYPES = ("float16", "bfloat16")
 # ping-pong), the one-warpgroup rule 0.333, PyTorch 0.259; 3 stages without overlap 0.348, two consumers 0.367+,
 # 2 stages with overlap (no prefetch left) 0.46-0.72, exp_poly slower (results/sweep_attention_producer_h200_s16.txt)
 PRODUCER_CONSUMERS, PRODUCER_STAGES, PRODUCER_OVERLAP, PRODUCER_LEAST_WAVES = 3, 4, True, 4
+# the fewest key tiles a CTA streams on average, in rings of PRODUCER_STAGES, for the producer kernel: its ring fills
+# and drains once a CTA. H200 bf16 causal D=64 B=16 T=1024 (GPT-2's shape, ~5 tiles of 112 keys a causal CTA: about
+# one ring): 0.140 ms against the one-warpgroup rule's 0.113 (results/final_s16/producer_t1024.txt); T=4096 (~19):
+# 0.320 against 0.333
+PRODUCER_LEAST_RINGS = 2
 # registers a producer thread keeps when the consumers take their share (its cp.async loop fits 32), and the fewest
 # it may be left with (setmaxnreg's least is 24)
 PRODUCER_KEEPS, LEAST_PRODUCER_REGISTERS = 32, 24
@@ -95,8 +101,9 @@ def producer_plan(plan: AttentionPlan, multiprocessors: int, multiprocessor_regi
   their setmaxnreg share (consumer_register_share), keys a tile the most (a multiple of 16 from 128 to
   PRODUCER_LEAST_KEYS) whose fragments and WGMMA_OVERHEAD_REGISTERS fit that share (D = 64, 3 consumers at 160: 112;
   ptxas fits them without spills) and whose stages fit `shared_limit`; None where none fits (D = 128 with 3
-  consumers) or where the grid is under PRODUCER_LEAST_WAVES CTAs a multiprocessor (a CTA of 2-3 warpgroups needs
-  more of them to even out the causal tails than the 1-warpgroup ones)."""
+  consumers), where the grid is under PRODUCER_LEAST_WAVES CTAs a multiprocessor (a CTA of 2-3 warpgroups needs
+  more of them to even out the causal tails than the 1-warpgroup ones), or where a CTA streams fewer than
+  PRODUCER_LEAST_RINGS rings of key tiles on average (mean_key_tiles: the ring's fill and drain are not paid back)."""
   consumers = replace(plan, block_m=PRODUCER_CONSUMERS * WARPGROUP_ROWS, stages=PRODUCER_STAGES, min_ctas=1,
                       producer=True, overlap=PRODUCER_OVERLAP, pingpong=PRODUCER_OVERLAP and PRODUCER_CONSUMERS > 1)
   if consumers.query_blocks * plan.heads * plan.batch < PRODUCER_LEAST_WAVES * multiprocessors: return None
@@ -104,8 +111,15 @@ def producer_plan(plan: AttentionPlan, multiprocessors: int, multiprocessor_regi
   for block_n in range(128, PRODUCER_LEAST_KEYS - 1, -16):
     candidate = replace(consumers, block_n=block_n, consumer_registers=share)
     if candidate.fragment_registers + WGMMA_OVERHEAD_REGISTERS <= share and candidate.shared_bytes <= shared_limit:
-      return candidate
+      return candidate if mean_key_tiles(candidate) >= PRODUCER_LEAST_RINGS * PRODUCER_STAGES else None
   return None
+
+
+def mean_key_tiles(plan: AttentionPlan) -> float:
+  """Key tiles a CTA streams on average: all of them, or about half under a causal mask (the diagonal's CTAs stop
+  where their last query row does)."""
+  tiles = math.ceil(plan.source / plan.block_n)
+  return (tiles + 1) / 2 if plan.causal else tiles
 
 
 def producer_registers(plan: AttentionPlan) -> int:
