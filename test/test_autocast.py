@@ -576,7 +576,9 @@ def test_gpt2_step_under_autocast_on_hopper_casts_and_stores(monkeypatch):
   - 4 hidden-sized (4 x width) bf16 buffers per layer: c_fc's product, GELU's output (c_proj's operand), c_proj's
     input gradient and GELU's gradient. The bias add between c_fc's product and GELU is recomputed by GELU and by
     GELU's gradient (5 a layer before: it was stored by a kernel of its own, a full write and read of the activation);
-  - bytes moved: 47.8 MB (48.9 MB with the bias add stored)."""
+  - bytes moved: 48.3 MB with the warp-specialized single-pass attention backward (ATTENTION_SINGLE_PASS=2, the
+    default on sm_90 at D <= 64: dQ added into a float32 accumulator, 0.39 MB more a layer here), 47.5 MB with the
+    two-kernel backward (48.9 MB with the bias add stored, before session 14)."""
   import sys
   from pathlib import Path
   from ourgrad.codegen.opt import tensor_core_plans
@@ -603,7 +605,7 @@ def test_gpt2_step_under_autocast_on_hopper_casts_and_stores(monkeypatch):
   assert not any(item.ast.op is Ops.STORE and item.ast in casts for item in schedule)
   hidden = [buffer.dtype for item in schedule for buffer in item.outputs if buffer.size == batch * length * 4 * width]
   assert hidden == [dtypes.bfloat16] * 4 * layers, hidden
-  assert sum(leaf_bytes(item.ast) for item in schedule) <= 47.9e6
+  assert sum(leaf_bytes(item.ast) for item in schedule) <= 48.3e6
 
 
 def test_weight_casts_under_autocast_share_a_packed_kernel(monkeypatch):
