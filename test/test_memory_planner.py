@@ -266,3 +266,33 @@ def test_a_replayed_schedule_replays_the_plan_it_would_make(seed, monkeypatch):
     monkeypatch.setattr(realize, "plan_schedule_memory", original)
   assert runs[True] == runs[False]
   assert any(pattern.count(None) < len(pattern) for pattern in runs[True][1])   # something was planned
+
+
+def _chain_reference(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+  """numpy's _chain: (its output, its second intermediate)."""
+  first = arrays[1] + arrays[2]
+  second = np.maximum(arrays[0] * 2 @ first, 0)
+  third = second - second.sum(axis=1, keepdims=True) / 16
+  return ((np.exp2(third) * 0.01) + first).sum(0), second
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_replayed_plan_found_by_layout_never_shares_a_held_buffer(seed, monkeypatch):
+  """The later replays of a cached schedule find their recorded plan through the schedule's buffer layout (no
+  count of every item's buffers): a call that keeps an intermediate (held by the user: not internal) must not get
+  the plan of the calls that do not, and both the output and the kept intermediate match numpy."""
+  from ourgrad.engine import realize
+  taken: list[bool] = []
+  original = realize._replay_recorded_plan
+  monkeypatch.setattr(realize, "_replay_recorded_plan", lambda *args: (taken.append(original(*args)), taken[-1])[1])
+  rng = np.random.default_rng(seed)
+  keep = [False, False, True, False, True, True, False] + [bool(rng.random() < 0.5) for _ in range(5)]
+  for held in keep:
+    arrays = [rng.standard_normal((16, 16)).astype(np.float32) for _ in range(3)]
+    out, kept = _chain([Tensor(array).realize() for array in arrays], held)
+    expected, second = _chain_reference(arrays)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-4)
+    if held:
+      (out + 1).realize()   # another realize after the step: the kept intermediate's memory stays its own
+      np.testing.assert_allclose(kept.numpy(), second, rtol=1e-4, atol=1e-4)
+  assert taken.count(True) >= 3   # the layout found recorded plans, for the held and the unheld sets

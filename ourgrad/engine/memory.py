@@ -168,6 +168,29 @@ def _calibrate() -> int | None:
 _COUNTING_REFERENCES = _calibrate()
 
 
+def _extra_references(values: Sequence[Any], ordinals: Sequence[int], slots: Sequence[int]) -> list[int]:
+  """Per ordinal, the reference count of `values[ordinal]` less its `slots` (the slots known to hold it)."""
+  extra = []
+  for ordinal, count in zip(ordinals, slots):
+    value = values[ordinal]
+    extra.append(sys.getrefcount(value) - count)
+  return extra
+
+
+# what _extra_references reports for an object that nothing but its one slot holds (its own counting references,
+# measured on a probe as _calibrate does for _references_beyond_slots)
+_UNHELD_EXTRA = None if _COUNTING_REFERENCES is None else _extra_references([object()], [0], [1])[0]
+
+
+def unheld_buffers(buffers: Sequence[Buffer], ordinals: Sequence[int], slots: Sequence[int]) -> list[int] | None:
+  """The `ordinals` (ascending positions in `buffers`) whose buffer nothing but its `slots` holds (the slots of the
+  items that hold it, plus one for `buffers` itself): held_only_by_items for a layout known in advance (a replayed
+  schedule), without counting every item's slots again. None where reference counts cannot tell."""
+  if _UNHELD_EXTRA is None: return None
+  return [ordinal for ordinal, extra in zip(ordinals, _extra_references(buffers, ordinals, slots))
+          if extra == _UNHELD_EXTRA]
+
+
 def held_only_by_items(containers: Sequence[Sequence[Buffer]]) -> set[int]:
   """ids of the buffers that nothing but `containers` (every tuple or list of the items that holds buffers) holds:
   no LazyBuffer, no Tensor, no user variable. No one can read those after the items ran. CPython counts references

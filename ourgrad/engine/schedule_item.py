@@ -22,9 +22,10 @@ class LoweringMemo:
   memory), held without buffers between runs. `launch`: the runner's launcher (CompiledRunner.launcher) for a kernel
 with no bound Variables and no block counters: a quiet replay calls it with the item's buffers, no ExecItem at all
 (engine/realize.py run_schedule). `capture`: on a schedule's first item, its capture state
-  (engine/capture.py: how often it was replayed, its device graph), and its recorded memory plans."""
+  (engine/capture.py: how often it was replayed, its device graph), its recorded memory plans and the layout of its
+  buffers they are looked up by (engine/realize.py)."""
   __slots__ = ("runner", "var_vals", "block_counters", "source", "generation", "idle", "launch", "capture",
-               "memory_plans")
+               "memory_plans", "memory_layout")
 
   def __init__(self) -> None:
     self.runner: Any = None   # None: not lowered yet
@@ -36,6 +37,7 @@ with no bound Variables and no block counters: a quiet replay calls it with the 
     self.launch: Any = None     # None: launched through an ExecItem (a copy, symbolic sizes, block counters)
     self.capture: Any = None
     self.memory_plans: Any = None   # on a schedule's first item: its memory plans (engine/realize.py)
+    self.memory_layout: Any = None  # on a schedule's first item: where its distinct buffers are (realize.py)
 
 
 @dataclass(frozen=True)
