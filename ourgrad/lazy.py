@@ -27,7 +27,7 @@ from ourgrad import lazy_trace
 from ourgrad.lazy_reduce import build_reduce, reduce_plan
 from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
-from ourgrad.shape.shapetracker import ShapeTracker
+from ourgrad.shape.shapetracker import ShapeTracker, _identity_tracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
 from ourgrad.shape.view import View, strides_for_shape
 
@@ -107,7 +107,9 @@ class LazyBuffer:
                   srcs: tuple[LazyBuffer, ...] = ()) -> LazyBuffer:
     """A new base computing `op` (with `arg`) over `srcs`, of `shape` and `dtype`: the node every op builds."""
     base = _new_lazy_buffer(LazyBuffer)   # (no __init__ call with keywords: this runs for every op built)
-    _init_base(base, device, ShapeTracker.from_shape(shape), dtype, op, arg, srcs)
+    # (ShapeTracker.from_shape's interned tracker without its call where the shape is a tuple: every op built)
+    _init_base(base, device, _identity_tracker(shape) if type(shape) is tuple else ShapeTracker.from_shape(shape),
+               dtype, op, arg, srcs)
     return base
 
   @staticmethod
@@ -279,16 +281,16 @@ class LazyBuffer:
       # -x as x * -1: a pad pushed through NEG would give -(0) = -0.0 in the padding, where a padded constant -1
       # gives 0 * 0 = +0.0 as PyTorch pads (and -(+0.0) is still -0.0 inside)
       return self.elementwise(_MUL, self.operand_like(-1, self.dtype))
-    folded = self._fold_constants(op, srcs, out_dtype)
-    if folded is not None: return folded
+    # most ops read no constant at all: nothing to fold, without a _fold_constants call
+    for src in srcs:
+      if (src if src._base is None else src._base).op is _CONST:
+        folded = self._fold_constants(op, srcs, out_dtype)
+        if folded is not None: return folded
+        break
     return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)
 
   def _fold_constants(self, op: Ops, srcs: tuple[LazyBuffer, ...], out_dtype: DType) -> LazyBuffer | None:
-    # most ops read no constant at all: nothing to fold, without a const_value call per source
-    for src in srcs:
-      if (src if src._base is None else src._base).op is _CONST: break
-    else:
-      return None
+    """The folded result of `op` over `srcs` where one of them is a constant base (elementwise checks), or None."""
     values = [src.const_value() for src in srcs] if len(srcs) != 2 else [srcs[0].const_value(), srcs[1].const_value()]
     if None not in values and op is not _CAST and op is not _BITCAST:
       if op is _RECIP and out_dtype.is_int: exec_alu(op, out_dtype, tuple(values))   # (raises)
@@ -579,6 +581,7 @@ class LazyBuffer:
 
 
 _new_lazy_buffer = object.__new__
+_TRACE = lazy_trace._trace   # (the one-item list holding the open trace: read at every base made)
 
 
 def _init_base(base: LazyBuffer, device: str, st: ShapeTracker, dtype: DType, op: Ops | None, arg: Any,
@@ -601,8 +604,24 @@ def _init_base(base: LazyBuffer, device: str, st: ShapeTracker, dtype: DType, op
   # base or a view of it read its newest version (`current`), computed readers keep this one
   base._storage = None
   base._trace_index = -1   # its position in the creation trace (lazy_trace.py), -1: not traced
-  if srcs:
-    _add_reader_to_sources(base, srcs)
+  if not srcs: return
+  # the readers of the sources and the creation trace, written out here rather than in the helpers (_add_reader_to_
+  # sources, lazy_trace.record): every op built runs this, and each call of a helper costs more than its work
+  reference = weakref.ref(base)
+  with _READERS_LOCK:  # two threads may build readers of one base (a weight) at once
+    for src in srcs:
+      source = src if src._base is None else src._base
+      if source.op is _CONST: continue   # (never written in place: see _add_reader_to_sources)
+      readers = source._readers
+      if readers is None: source._readers = [reference]
+      else:
+        readers.append(reference)
+        if len(readers) > 2 * source._readers_pruned_at + 16: _prune_readers(source)
+  trace = _TRACE[0]
+  if trace is not None and not trace.tainted and len(trace.bases) < lazy_trace.MAX_TRACED:
+    base._trace_index = len(trace.bases)   # (record's common case: a trace open and not full)
+    trace.bases.append(base)
+  else:
     lazy_trace.record(base)
 
 
@@ -625,11 +644,15 @@ def _add_reader_to_sources(reader: LazyBuffer, srcs: Sequence[LazyBuffer]) -> No
       readers = base._readers
       if readers is None: readers = base._readers = []
       readers.append(reference)
-      # a long-lived base (a weight) gets new readers every step: drop the dead references now and then, so the
-      # list stays proportional to the live readers (amortized O(1) per reader)
-      if len(readers) > 2 * base._readers_pruned_at + 16:
-        base._readers = [ref for ref in readers if ref() is not None]
-        base._readers_pruned_at = len(base._readers)
+      if len(readers) > 2 * base._readers_pruned_at + 16: _prune_readers(base)
+
+
+def _prune_readers(base: LazyBuffer) -> None:
+  """Drop the dead references among `base`'s readers (under _READERS_LOCK). A long-lived base (a weight) gets new
+  readers every step: pruned whenever the list doubled since the last pruning, it stays proportional to the live
+  readers (amortized O(1) per reader)."""
+  base._readers = [ref for ref in base._readers if ref() is not None]
+  base._readers_pruned_at = len(base._readers)
 
 
 class Storage:
