@@ -169,7 +169,8 @@ class ElementwiseMixin:
     if type(other) in _PY_SCALARS and type(mine) is LazyBuffer:
       # a Python scalar (x * 0.9, the learning rates and betas of every step): the constant is made at the tensor's
       # shape at once. The general path below builds the same lazy graph through a Tensor reshape and expand
-      dtype = result_dtype(mine.dtype, other)
+      # (a float tensor keeps its dtype with any scalar: result_dtype's answer, without its calls)
+      dtype = mine.dtype if mine.dtype.is_float else result_dtype(mine.dtype, other)
       x = self if dtype is mine.dtype else self.cast(dtype)
       constant = type(self)(LazyBuffer.operand_constant(other, x.shape, dtype, x.device))
       return (constant, x) if reverse else (x, constant)
