@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 
 _PY_SCALARS = (bool, int, float)
+_BOOL = dtypes.bool
 
 
 def _broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
@@ -211,23 +212,24 @@ class ElementwiseMixin:
     """self + other (other + self if `reverse`), broadcast and type-promoted; bool + bool is logical or; no `alpha`
     argument."""
     x, y = self._broadcasted(other, reverse)
-    if x.dtype == dtypes.bool: return x | y
+    if x._lazydata.dtype is _BOOL: return x | y   # (Tensor.dtype without the property call: every op)
     return F.Add.apply(x, y)
 
   def sub(self, other: Any, reverse: bool = False) -> Tensor:
     """self - other (other - self if `reverse`), broadcast and type-promoted; DTypeError for bool tensors."""
-    if not reverse and (type(other) is float or type(other) is int) and self.dtype != dtypes.bool:
+    if not reverse and (type(other) is float or type(other) is int) and self._lazydata.dtype is not _BOOL:
       # x - c is x + (-c), the very graph Sub builds (an ADD of the negated constant, folded), without making c first
       # and folding its negation: exact for floats, and for integers modulo the dtype's range as the fold is
       return self.add(-other)
     x, y = self._broadcasted(other, reverse)
-    if x.dtype == dtypes.bool: raise DTypeError("subtraction of bool tensors is not supported; use ^ or logical_xor")
+    if x._lazydata.dtype is _BOOL:
+      raise DTypeError("subtraction of bool tensors is not supported; use ^ or logical_xor")
     return F.Sub.apply(x, y)
 
   def mul(self, other: Any, reverse: bool = False) -> Tensor:
     """self * other, broadcast and type-promoted; bool * bool is logical and."""
     x, y = self._broadcasted(other, reverse)
-    if x.dtype == dtypes.bool: return x & y
+    if x._lazydata.dtype is _BOOL: return x & y
     return F.Mul.apply(x, y)
 
   def div(self, other: Any, reverse: bool = False, rounding_mode: str | None = None) -> Tensor:
@@ -320,11 +322,11 @@ class ElementwiseMixin:
     sign, sign_below = _pow_sign(base_value, power_value), _pow_sign(base_value, power_below)
     return F.Pow.apply(base, power, sign, is_one(power_value), sign_below, is_one(power_below))
 
-  def __add__(self, other: Any) -> Tensor: return self.add(other)
+  __add__ = add   # (x + y: the method itself, one frame less per op)
   def __radd__(self, other: Any) -> Tensor: return self.add(other, reverse=True)
-  def __sub__(self, other: Any) -> Tensor: return self.sub(other)
+  __sub__ = sub   # (x - y: the method itself, one frame less per op)
   def __rsub__(self, other: Any) -> Tensor: return self.sub(other, reverse=True)
-  def __mul__(self, other: Any) -> Tensor: return self.mul(other)
+  __mul__ = mul   # (x * y: the method itself, one frame less per op)
   def __rmul__(self, other: Any) -> Tensor: return self.mul(other, reverse=True)
   def __truediv__(self, other: Any) -> Tensor: return self.div(other)
   @autocast_op(CastPolicy.FLOAT32)
