@@ -137,8 +137,8 @@ class LazyBuffer:
           readers.append(reference)
           if len(readers) > 2 * source._readers_pruned_at + 16: _prune_readers(source)
     trace = _TRACE[0]
-    if trace is not None and not trace.tainted and len(trace.bases) < lazy_trace.MAX_TRACED:
-      base._trace_index = len(trace.bases)   # (record's common case: a trace open and not full)
+    if trace is not None and not trace.tainted and (position := len(trace.bases)) < lazy_trace.MAX_TRACED:
+      base._trace_index = position   # (record's common case: a trace open and not full)
       trace.bases.append(base)
     else:
       lazy_trace.record(base)
@@ -324,7 +324,12 @@ class LazyBuffer:
 
   def _fold_constants(self, op: Ops, srcs: tuple[LazyBuffer, ...], out_dtype: DType) -> LazyBuffer | None:
     """The folded result of `op` over `srcs` where one of them is a constant base (elementwise checks), or None."""
-    values = [src.const_value() for src in srcs] if len(srcs) != 2 else [srcs[0].const_value(), srcs[1].const_value()]
+    if len(srcs) == 2:   # (most folds: one constant operand; the other source's value without a const_value call)
+      left, right = srcs
+      values = [left.const_value() if (left if left._base is None else left._base).op is _CONST else None,
+                right.const_value() if (right if right._base is None else right._base).op is _CONST else None]
+    else:
+      values = [src.const_value() for src in srcs]
     if None not in values and op is not _CAST and op is not _BITCAST:
       if op is _RECIP and out_dtype.is_int: exec_alu(op, out_dtype, tuple(values))   # (raises)
       # rounded to the dtype by const_like, which remembers the rounding of each value (exec_alu's costs ~1 us)
