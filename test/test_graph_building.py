@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ourgrad import Tensor, dtypes
+from ourgrad.errors import ShapeError
 from ourgrad import function as F
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
@@ -346,3 +347,6 @@ def test_building_an_op_costs_a_few_python_frames() -> None:
   assert _python_frames_per_call(lambda: x + y) <= 9
   assert _python_frames_per_call(lambda: weight * y) <= 11
   assert _python_frames_per_call(lambda: x * 2.5) <= 18
+  assert _python_frames_per_call(lambda: x.reshape(16)) <= 12   # (21 before)
+  with pytest.raises(ShapeError, match="cannot reshape"): x.reshape(5, 3)
+  np.testing.assert_array_equal(x.reshape(2, 8).numpy(), x.numpy().reshape(2, 8))
