@@ -8,6 +8,7 @@ that input needs none).
 from __future__ import annotations
 
 import math
+import operator
 from typing import TYPE_CHECKING, Any
 
 from ourgrad.dtype import DType, dtypes
@@ -67,7 +68,7 @@ class Function:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
     ctx = _new_function(cls)
     _record_inputs(ctx, tensors[0]._lazydata.device, tensors)   # (Tensor.device without the property call)
-    output = ctx.forward(*[tensor.lazydata for tensor in tensors], **kwargs)
+    output = ctx.forward(*map(_lazydata_of, tensors), **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch; under no_grad() nothing
     # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
     # of silently doing nothing)
@@ -85,17 +86,21 @@ class Function:
 
 
 _new_function = object.__new__
+# per-input reads through map (C), not list comprehensions: each comprehension is one more Python frame per op built
+_lazydata_of = operator.attrgetter("lazydata")   # (Tensor.lazydata: the newest version of the tensor's memory)
+_requires_grad_of = operator.attrgetter("requires_grad")
+_ctx_of = operator.attrgetter("_ctx")
 
 
 def _record_inputs(ctx: Function, device: str, tensors: tuple[Tensor, ...]) -> None:
   """A new Function's autograd bookkeeping: its device, which inputs need a gradient, and, when one does, the inputs
   with the Functions they have now (an in-place write may give an input tensor a new one later: assign)."""
   ctx.device = device
-  ctx.needs_input_grad = needs = [tensor.requires_grad for tensor in tensors]
+  ctx.needs_input_grad = needs = list(map(_requires_grad_of, tensors))
   ctx.requires_grad = True if True in needs else None if None in needs else False
   if ctx.requires_grad:
     ctx.parents = tensors
-    ctx.parent_ctxs = tuple([tensor._ctx for tensor in tensors])
+    ctx.parent_ctxs = tuple(map(_ctx_of, tensors))
     # no in-place write since (the count unchanged at backward): nothing it saves can have gone stale
     ctx.versions_seen = Storage.versions_made
 

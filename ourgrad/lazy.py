@@ -27,7 +27,7 @@ from ourgrad import lazy_trace
 from ourgrad.lazy_reduce import build_reduce, reduce_plan
 from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
-from ourgrad.shape.shapetracker import ShapeTracker
+from ourgrad.shape.shapetracker import ShapeTracker, _identity_tracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
 from ourgrad.shape.view import View, strides_for_shape
 
@@ -89,16 +89,12 @@ register_cache_clearer(_forget_host_constants)
 
 
 class LazyBuffer:
-  """A base (an op to compute) or a view (a ShapeTracker over a base). Build them with the class methods."""
+  """A base (an op to compute) or a view (a ShapeTracker over a base). Built by the class methods (create_base and
+  the ones made on it) and `view`, never by calling the class: they set the slots themselves, one frame per op."""
   # slots, not a __dict__: a training step makes thousands of LazyBuffers, and each dict is one more object to
   # allocate and for the cyclic garbage collector to visit (a view sets only the first six)
   __slots__ = ("device", "st", "dtype", "shape", "_base", "_const", "op", "arg", "srcs", "realized", "forced_realize",
                "_readers", "_readers_pruned_at", "_storage", "_trace_index", "__weakref__")
-
-  def __init__(self, device: str, st: ShapeTracker, dtype: DType, op: Ops | None = None, arg: Any = None,
-               srcs: tuple[LazyBuffer, ...] = (), base: LazyBuffer | None = None):
-    if base is None: _init_base(self, device, st, dtype, op, arg, srcs)
-    else: _init_view(self, device, st, dtype, base)
 
   # ---------------------------------------------------------------- construction
 
@@ -106,8 +102,46 @@ class LazyBuffer:
   def create_base(device: str, shape: tuple[int, ...], dtype: DType, op: Ops, arg: Any = None,
                   srcs: tuple[LazyBuffer, ...] = ()) -> LazyBuffer:
     """A new base computing `op` (with `arg`) over `srcs`, of `shape` and `dtype`: the node every op builds."""
-    base = _new_lazy_buffer(LazyBuffer)   # (no __init__ call with keywords: this runs for every op built)
-    _init_base(base, device, ShapeTracker.from_shape(shape), dtype, op, arg, srcs)
+    # every op built runs this: its slots set here, in one frame (no __init__, no helpers)
+    base = _new_lazy_buffer(LazyBuffer)
+    # (ShapeTracker.from_shape's interned tracker without its call where the shape is a tuple)
+    st = _identity_tracker(shape) if type(shape) is tuple else ShapeTracker.from_shape(shape)
+    base.device, base.st, base.dtype = device, st, dtype
+    base.shape = st.views[-1].shape   # (ShapeTracker.shape without the property call)
+    # a constant (LazyBuffer.full: Tensor.zeros, a folded `x * 0`) is a broadcast scalar, not memory: the storage a
+    # tensor holding it stands for, and this buffer's view of it (None: the whole), so that writes to the tensor or
+    # through its views reach every view (Storage.of_constant)
+    base._base = base._const = None
+    base.op, base.arg, base.srcs = op, arg, srcs
+    base.realized = None          # set when the scheduler gives this base a buffer
+    base.forced_realize = False   # realize even if it could be fused (contiguous(), realize())
+    # weak references to the bases that read this one: an in-place write to this base's buffer finds the lazy readers
+    # that must still see the old contents (engine/snapshot.py); created on the first reader
+    base._readers = None
+    base._readers_pruned_at = 0
+    # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding this
+    # base or a view of it read its newest version (`current`), computed readers keep this one
+    base._storage = None
+    base._trace_index = -1   # its position in the creation trace (lazy_trace.py), -1: not traced
+    if not srcs: return base
+    # the readers of the sources and the creation trace, written out here rather than in the helpers (_add_reader_to_
+    # sources, lazy_trace.record): every op built runs this, and each call of a helper costs more than its work
+    reference = weakref.ref(base)
+    with _READERS_LOCK:  # two threads may build readers of one base (a weight) at once
+      for src in srcs:
+        source = src if src._base is None else src._base
+        if source.op is _CONST: continue   # (never written in place: see _add_reader_to_sources)
+        readers = source._readers
+        if readers is None: source._readers = [reference]
+        else:
+          readers.append(reference)
+          if len(readers) > 2 * source._readers_pruned_at + 16: _prune_readers(source)
+    trace = _TRACE[0]
+    if trace is not None and not trace.tainted and (position := len(trace.bases)) < lazy_trace.MAX_TRACED:
+      base._trace_index = position   # (record's common case: a trace open and not full)
+      trace.bases.append(base)
+    else:
+      lazy_trace.record(base)
     return base
 
   @staticmethod
@@ -232,8 +266,9 @@ class LazyBuffer:
     base = self._base if self._base is not None else self
     # a base's tracker is the identity (contiguous): any contiguous view of all of it is the base
     if st is base.st or (st.contiguous and st.shape == base.shape): return base
-    view = _new_lazy_buffer(LazyBuffer)
-    _init_view(view, self.device, st, self.dtype, base)
+    view = _new_lazy_buffer(LazyBuffer)   # (a view has only these six slots: set here, no __init__ frame)
+    view.device, view.st, view.dtype, view.shape = self.device, st, self.dtype, st.views[-1].shape
+    view._base, view._const = base, None
     return view
 
   def reshape(self, shape: tuple[int, ...]) -> LazyBuffer:
@@ -279,17 +314,22 @@ class LazyBuffer:
       # -x as x * -1: a pad pushed through NEG would give -(0) = -0.0 in the padding, where a padded constant -1
       # gives 0 * 0 = +0.0 as PyTorch pads (and -(+0.0) is still -0.0 inside)
       return self.elementwise(_MUL, self.operand_like(-1, self.dtype))
-    folded = self._fold_constants(op, srcs, out_dtype)
-    if folded is not None: return folded
+    # most ops read no constant at all: nothing to fold, without a _fold_constants call
+    for src in srcs:
+      if (src if src._base is None else src._base).op is _CONST:
+        folded = self._fold_constants(op, srcs, out_dtype)
+        if folded is not None: return folded
+        break
     return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)
 
   def _fold_constants(self, op: Ops, srcs: tuple[LazyBuffer, ...], out_dtype: DType) -> LazyBuffer | None:
-    # most ops read no constant at all: nothing to fold, without a const_value call per source
-    for src in srcs:
-      if (src if src._base is None else src._base).op is _CONST: break
+    """The folded result of `op` over `srcs` where one of them is a constant base (elementwise checks), or None."""
+    if len(srcs) == 2:   # (most folds: one constant operand; the other source's value without a const_value call)
+      left, right = srcs
+      values = [left.const_value() if (left if left._base is None else left._base).op is _CONST else None,
+                right.const_value() if (right if right._base is None else right._base).op is _CONST else None]
     else:
-      return None
-    values = [src.const_value() for src in srcs] if len(srcs) != 2 else [srcs[0].const_value(), srcs[1].const_value()]
+      values = [src.const_value() for src in srcs]
     if None not in values and op is not _CAST and op is not _BITCAST:
       if op is _RECIP and out_dtype.is_int: exec_alu(op, out_dtype, tuple(values))   # (raises)
       # rounded to the dtype by const_like, which remembers the rounding of each value (exec_alu's costs ~1 us)
@@ -579,37 +619,7 @@ class LazyBuffer:
 
 
 _new_lazy_buffer = object.__new__
-
-
-def _init_base(base: LazyBuffer, device: str, st: ShapeTracker, dtype: DType, op: Ops | None, arg: Any,
-               srcs: tuple[LazyBuffer, ...]) -> None:
-  """Set the slots of a new base (LazyBuffer.create_base, LazyBuffer(...) without `base`)."""
-  base.device, base.st, base.dtype = device, st, dtype
-  base.shape = st.views[-1].shape   # (ShapeTracker.shape without the property call: every op)
-  # a constant (LazyBuffer.full: Tensor.zeros, a folded `x * 0`) is a broadcast scalar, not memory: the storage a
-  # tensor holding it stands for, and this buffer's view of it (None: the whole), so that writes to the tensor or
-  # through its views reach every view (Storage.of_constant)
-  base._base = base._const = None
-  base.op, base.arg, base.srcs = op, arg, srcs
-  base.realized = None          # set when the scheduler gives this base a buffer
-  base.forced_realize = False   # realize even if it could be fused (contiguous(), realize())
-  # weak references to the bases that read this one: an in-place write to this base's buffer finds the lazy readers
-  # that must still see the old contents (engine/snapshot.py); created on the first reader
-  base._readers = None
-  base._readers_pruned_at = 0
-  # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding this
-  # base or a view of it read its newest version (`current`), computed readers keep this one
-  base._storage = None
-  base._trace_index = -1   # its position in the creation trace (lazy_trace.py), -1: not traced
-  if srcs:
-    _add_reader_to_sources(base, srcs)
-    lazy_trace.record(base)
-
-
-def _init_view(view: LazyBuffer, device: str, st: ShapeTracker, dtype: DType, base: LazyBuffer) -> None:
-  """Set the slots of a new view of `base` (a view has only these six)."""
-  view.device, view.st, view.dtype, view.shape = device, st, dtype, st.views[-1].shape
-  view._base, view._const = base, None
+_TRACE = lazy_trace._trace   # (the one-item list holding the open trace: read at every base made)
 
 
 def _add_reader_to_sources(reader: LazyBuffer, srcs: Sequence[LazyBuffer]) -> None:
@@ -625,11 +635,15 @@ def _add_reader_to_sources(reader: LazyBuffer, srcs: Sequence[LazyBuffer]) -> No
       readers = base._readers
       if readers is None: readers = base._readers = []
       readers.append(reference)
-      # a long-lived base (a weight) gets new readers every step: drop the dead references now and then, so the
-      # list stays proportional to the live readers (amortized O(1) per reader)
-      if len(readers) > 2 * base._readers_pruned_at + 16:
-        base._readers = [ref for ref in readers if ref() is not None]
-        base._readers_pruned_at = len(base._readers)
+      if len(readers) > 2 * base._readers_pruned_at + 16: _prune_readers(base)
+
+
+def _prune_readers(base: LazyBuffer) -> None:
+  """Drop the dead references among `base`'s readers (under _READERS_LOCK). A long-lived base (a weight) gets new
+  readers every step: pruned whenever the list doubled since the last pruning, it stays proportional to the live
+  readers (amortized O(1) per reader)."""
+  base._readers = [ref for ref in base._readers if ref() is not None]
+  base._readers_pruned_at = len(base._readers)
 
 
 class Storage:

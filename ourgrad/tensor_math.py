@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 
 _PY_SCALARS = (bool, int, float)
+_BOOL = dtypes.bool
 
 
 def _broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
@@ -169,7 +170,8 @@ class ElementwiseMixin:
     if type(other) in _PY_SCALARS and type(mine) is LazyBuffer:
       # a Python scalar (x * 0.9, the learning rates and betas of every step): the constant is made at the tensor's
       # shape at once. The general path below builds the same lazy graph through a Tensor reshape and expand
-      dtype = result_dtype(mine.dtype, other)
+      # (a float tensor keeps its dtype with any scalar: result_dtype's answer, without its calls)
+      dtype = mine.dtype if mine.dtype.is_float else result_dtype(mine.dtype, other)
       x = self if dtype is mine.dtype else self.cast(dtype)
       constant = type(self)(LazyBuffer.operand_constant(other, x.shape, dtype, x.device))
       return (constant, x) if reverse else (x, constant)
@@ -210,23 +212,24 @@ class ElementwiseMixin:
     """self + other (other + self if `reverse`), broadcast and type-promoted; bool + bool is logical or; no `alpha`
     argument."""
     x, y = self._broadcasted(other, reverse)
-    if x.dtype == dtypes.bool: return x | y
+    if x._lazydata.dtype is _BOOL: return x | y   # (Tensor.dtype without the property call: every op)
     return F.Add.apply(x, y)
 
   def sub(self, other: Any, reverse: bool = False) -> Tensor:
     """self - other (other - self if `reverse`), broadcast and type-promoted; DTypeError for bool tensors."""
-    if not reverse and (type(other) is float or type(other) is int) and self.dtype != dtypes.bool:
+    if not reverse and (type(other) is float or type(other) is int) and self._lazydata.dtype is not _BOOL:
       # x - c is x + (-c), the very graph Sub builds (an ADD of the negated constant, folded), without making c first
       # and folding its negation: exact for floats, and for integers modulo the dtype's range as the fold is
       return self.add(-other)
     x, y = self._broadcasted(other, reverse)
-    if x.dtype == dtypes.bool: raise DTypeError("subtraction of bool tensors is not supported; use ^ or logical_xor")
+    if x._lazydata.dtype is _BOOL:
+      raise DTypeError("subtraction of bool tensors is not supported; use ^ or logical_xor")
     return F.Sub.apply(x, y)
 
   def mul(self, other: Any, reverse: bool = False) -> Tensor:
     """self * other, broadcast and type-promoted; bool * bool is logical and."""
     x, y = self._broadcasted(other, reverse)
-    if x.dtype == dtypes.bool: return x & y
+    if x._lazydata.dtype is _BOOL: return x & y
     return F.Mul.apply(x, y)
 
   def div(self, other: Any, reverse: bool = False, rounding_mode: str | None = None) -> Tensor:
@@ -319,11 +322,11 @@ class ElementwiseMixin:
     sign, sign_below = _pow_sign(base_value, power_value), _pow_sign(base_value, power_below)
     return F.Pow.apply(base, power, sign, is_one(power_value), sign_below, is_one(power_below))
 
-  def __add__(self, other: Any) -> Tensor: return self.add(other)
+  __add__ = add   # (x + y: the method itself, one frame less per op)
   def __radd__(self, other: Any) -> Tensor: return self.add(other, reverse=True)
-  def __sub__(self, other: Any) -> Tensor: return self.sub(other)
+  __sub__ = sub   # (x - y: the method itself, one frame less per op)
   def __rsub__(self, other: Any) -> Tensor: return self.sub(other, reverse=True)
-  def __mul__(self, other: Any) -> Tensor: return self.mul(other)
+  __mul__ = mul   # (x * y: the method itself, one frame less per op)
   def __rmul__(self, other: Any) -> Tensor: return self.mul(other, reverse=True)
   def __truediv__(self, other: Any) -> Tensor: return self.div(other)
   @autocast_op(CastPolicy.FLOAT32)

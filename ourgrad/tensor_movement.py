@@ -45,14 +45,17 @@ class MovementMixin:
   def reshape(self, *shape: int | Sequence[int]) -> Tensor:
     """A view with a new shape; one size may be -1 (inferred)."""
     new_shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
-    if all(type(size) is int and size >= 0 for size in new_shape):
-      if new_shape == self.shape: return self  # the common no-op (expand and the reduces reshape to the same shape)
-    else:  # -1, numpy ints, symbolic sizes, errors
-      new_shape = self._resolve_reshape(new_shape)
-    if prod(new_shape) != self.numel():
-      raise ShapeError(f"cannot reshape {self.shape} ({self.numel()} elements) to {new_shape} "
+    current = self._lazydata.shape   # (Tensor.shape without the property call: reshapes are frequent ops)
+    for size in new_shape:   # (a loop, not all() over a generator: no generator frame per op)
+      if type(size) is not int or size < 0:   # -1, numpy ints, symbolic sizes, errors
+        new_shape = self._resolve_reshape(new_shape)
+        break
+    else:
+      if new_shape == current: return self  # the common no-op (expand and the reduces reshape to the same shape)
+    if prod(new_shape) != prod(current):
+      raise ShapeError(f"cannot reshape {current} ({prod(current)} elements) to {new_shape} "
                        f"({prod(new_shape)} elements)")
-    return self if new_shape == self.shape else F.Reshape.apply(self, shape=new_shape)
+    return self if new_shape == current else F.Reshape.apply(self, shape=new_shape)
 
   def _resolve_reshape(self, new_shape: tuple) -> tuple:
     """A reshape's sizes checked, with -1 inferred and numpy ints made ints (symbolic sizes kept)."""

@@ -191,16 +191,16 @@ def _constants_built(run: Callable[[], Any]) -> int:
   from ourgrad import lazy
   from ourgrad.ops import Ops
   made = [0]
-  original = lazy._init_base
+  original = lazy.LazyBuffer.create_base
 
-  def counting(base: Any, device: str, st: Any, dtype: Any, op: Any, arg: Any, srcs: Any) -> None:
+  def counting(device: str, shape: Any, dtype: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     if op is Ops.CONST: made[0] += 1
-    original(base, device, st, dtype, op, arg, srcs)
-  lazy._init_base = counting
+    return original(device, shape, dtype, op, *args, **kwargs)
+  lazy.LazyBuffer.create_base = staticmethod(counting)  # type: ignore[method-assign]
   try:
     run()
   finally:
-    lazy._init_base = original
+    lazy.LazyBuffer.create_base = staticmethod(original)  # type: ignore[method-assign]
   return made[0]
 
 

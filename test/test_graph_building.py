@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ourgrad import Tensor, dtypes
+from ourgrad.errors import ShapeError
 from ourgrad import function as F
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
@@ -277,3 +278,75 @@ def test_sharded_tensors_take_the_operand_constant_paths() -> None:
   out.sum().backward()
   expected.sum().backward()
   np.testing.assert_allclose(x.grad.numpy(), reference.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the per-op path: readers, trace, Python frames
+
+def test_new_bases_note_their_readers_and_trace_positions() -> None:
+  """A base made from sources is a reader of each non-constant source's base (the copy-on-write of an assign finds
+  it) and sits at its position of the open creation trace; values against numpy."""
+  from ourgrad import lazy_trace
+  x_value, y_value = _values(3, 4), _values(3, 4)
+  x, y = Tensor(x_value).realize(), Tensor(y_value).realize()
+  total = (x + y) * 0.5
+  product = total.lazydata.base
+  added = product.srcs[0].base
+  assert any(reader is added for reader in x.lazydata.base.live_readers())
+  assert any(reader is product for reader in added.live_readers())
+  assert product.srcs[1].base._readers is None   # (the shared 0.5: never written, so no readers kept)
+  trace = lazy_trace._trace[0]
+  assert trace is not None and trace.position(added) == added._trace_index >= 0
+  assert trace.position(product) == added._trace_index + 1
+  np.testing.assert_allclose(total.numpy(), (x_value + y_value) * np.float32(0.5), rtol=1e-6)
+
+
+def test_a_full_trace_is_dropped_and_values_stay_right(monkeypatch: pytest.MonkeyPatch) -> None:
+  """More bases than MAX_TRACED before a realize: the trace is dropped (the realize walks its graph), with the same
+  values and kernels as a traced realize."""
+  from ourgrad import lazy_trace
+  from ourgrad.helpers import GlobalCounters
+  x_value = _values(5)
+
+  def run() -> tuple[np.ndarray, int]:
+    out = Tensor(x_value).realize()
+    for step in range(12): out = out * 1.5 + step
+    GlobalCounters.reset()
+    result = out.numpy()
+    return result, GlobalCounters.kernel_count
+  traced, traced_kernels = run()
+  monkeypatch.setattr(lazy_trace, "MAX_TRACED", 5)
+  dropped, dropped_kernels = run()
+  expected = x_value.copy()
+  for step in range(12): expected = expected * np.float32(1.5) + np.float32(step)
+  np.testing.assert_allclose(traced, expected, rtol=1e-5)
+  np.testing.assert_array_equal(dropped, traced)
+  assert dropped_kernels == traced_kernels
+
+
+def _python_frames_per_call(build: object, calls: int = 10) -> float:
+  """Python function calls (cProfile's count, C built-ins left out) per call of `build`, after warm-up calls."""
+  import cProfile
+  import pstats
+  for _ in range(3): build()  # type: ignore[operator]
+  profile = cProfile.Profile()
+  profile.enable()
+  for _ in range(calls): build()  # type: ignore[operator]
+  profile.disable()
+  stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+  frames = sum(calls_made for (filename, _, _), (_, calls_made, *_) in stats.items()
+               if filename != "~" and filename != __file__)
+  return frames / calls
+
+
+def test_building_an_op_costs_a_few_python_frames() -> None:
+  """The Python frames one op costs to build (a deterministic count: 18 for x + y, 20 with autograd, before the
+  per-op path was written out in create_base/view/apply): x + y is __add__ (the method), _broadcasted, apply, two
+  lazydata reads, forward, elementwise and create_base."""
+  x, y = Tensor(_values(4, 4)).realize(), Tensor(_values(4, 4)).realize()
+  weight = Tensor(_values(4, 4), requires_grad=True)
+  assert _python_frames_per_call(lambda: x + y) <= 9
+  assert _python_frames_per_call(lambda: weight * y) <= 11
+  assert _python_frames_per_call(lambda: x * 2.5) <= 18
+  assert _python_frames_per_call(lambda: x.reshape(16)) <= 12   # (21 before)
+  with pytest.raises(ShapeError, match="cannot reshape"): x.reshape(5, 3)
+  np.testing.assert_array_equal(x.reshape(2, 8).numpy(), x.numpy().reshape(2, 8))

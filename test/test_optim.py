@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ourgrad.engine.realize as engine_realize
-import ourgrad.lazy as lazy_module
+from ourgrad.lazy import LazyBuffer
 import ourgrad.engine.schedule_cache as engine_schedule  # Tensor.realize schedules through its cache
 from ourgrad.errors import AutogradError
 from ourgrad.helpers import GlobalCounters
@@ -386,20 +386,21 @@ def test_numpy_scalar_hyper_parameters_match_torch() -> None:
 def _nodes_built(run: Callable[[], Any]) -> tuple[int, int]:
   """(bases, views) of lazy buffers made while `run` runs."""
   made = [0, 0]
-  init_base, init_view = lazy_module._init_base, lazy_module._init_view
+  create_base, view = LazyBuffer.create_base, LazyBuffer.view
 
-  def counted_base(*args: Any) -> None:
+  def counted_base(*args: Any, **kwargs: Any) -> LazyBuffer:
     made[0] += 1
-    init_base(*args)
+    return create_base(*args, **kwargs)
 
-  def counted_view(*args: Any) -> None:
-    made[1] += 1
-    init_view(*args)
-  lazy_module._init_base, lazy_module._init_view = counted_base, counted_view
+  def counted_view(self: LazyBuffer, st: Any) -> LazyBuffer:
+    out = view(self, st)
+    if out._base is not None: made[1] += 1   # (a new view; the identity view is the base itself)
+    return out
+  LazyBuffer.create_base, LazyBuffer.view = staticmethod(counted_base), counted_view  # type: ignore[method-assign]
   try:
     run()
   finally:
-    lazy_module._init_base, lazy_module._init_view = init_base, init_view
+    LazyBuffer.create_base, LazyBuffer.view = staticmethod(create_base), view  # type: ignore[method-assign]
   return made[0], made[1]
 
 
