@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from ourgrad.codegen.wgmma_copies import ATOM_BYTES, PIECE_BYTES, ROW_BYTES
 from ourgrad.codegen.wgmma_tiles import (BARRIER_HELPERS, PRODUCER_REGISTERS, SLICE_BYTES, SWIZZLE_128B,
-                                         WARPGROUP_THREADS, CExpr, launch_registers)
+                                         WARPGROUP_THREADS, CExpr, launch_registers, ring_barrier_lines)
 
 if TYPE_CHECKING:
   from ourgrad.codegen.attention import AttentionPlan
@@ -427,14 +427,7 @@ def producer_lines(plan: AttentionPlan) -> list[str]:
   producer, up to `stages` tiles in flight). With `consumer_registers` the producer gives registers back
   (setmaxnreg.dec) for the consumers to take."""
   stages, consumers = plan.stages, plan.consumer_threads
-  return [f"  unsigned full = shared_base + {barrier_offset(plan)}, empty = full + {8 * stages};",
-          "  if (threadIdx.x == 0) {",
-          f"    for (int stage = 0; stage < {stages}; stage++) {{",
-          f"      barrier_init(full + 8 * stage, {WARPGROUP_THREADS});",
-          f"      barrier_init(empty + 8 * stage, {consumers});",
-          "    }",
-          "  }",
-          "  __syncthreads();",
+  return [*ring_barrier_lines(barrier_offset(plan), stages, consumers),
           f"  if (threadIdx.x >= {consumers}) {{",
           "    producer_registers();",
           *("  " + line for line in copy_tile_lines(plan, f"(threadIdx.x - {consumers})", WARPGROUP_THREADS,

@@ -614,6 +614,22 @@ BARRIER_HELPERS = [
   "  }",
   "}",
 ]
+
+
+def ring_barrier_lines(full_offset: int, stages: int, consumers: int) -> list[str]:
+  """Set up a producer's ring of `stages` (this matmul's, attention_wgmma's producer): `full` and `empty` mbarriers
+  from `full_offset` past the aligned shared base, a stage's `full` counting the producer warpgroup's arrivals and its
+  `empty` the `consumers` threads', initialised by one thread before the CTA meets."""
+  return [f"  unsigned full = shared_base + {full_offset}, empty = full + {8 * stages};",
+          "  if (threadIdx.x == 0) {",
+          f"    for (int stage = 0; stage < {stages}; stage++) {{",
+          f"      barrier_init(full + 8 * stage, {WARPGROUP_THREADS});",
+          f"      barrier_init(empty + 8 * stage, {consumers});",
+          "    }",
+          "  }",
+          "  __syncthreads();"]
+
+
 def consumer_registers(plan: WgmmaMatmul) -> int:
   """Registers per consumer thread after setmaxnreg: the CTA's share of the multiprocessor's registers (its launch
   bounds: threads x ctas_per_sm resident) less the producer's PRODUCER_REGISTERS, over the consumers (1 CTA of
@@ -645,14 +661,7 @@ def _specialized_loop(plan: WgmmaMatmul) -> list[str]:
   # lone consumer warpgroup already has more at launch)
   registers = plan.block_n > 128 and consumer_registers(plan) > plan.launch_registers
   return [
-    f"  unsigned full = shared_base + {stages * plan.stage_bytes}, empty = full + {8 * stages};",
-    "  if (threadIdx.x == 0) {",
-    f"    for (int stage = 0; stage < {stages}; stage++) {{",
-    f"      barrier_init(full + 8 * stage, {WARPGROUP_THREADS});",
-    f"      barrier_init(empty + 8 * stage, {consumers});",
-    "    }",
-    "  }",
-    "  __syncthreads();",
+    *ring_barrier_lines(stages * plan.stage_bytes, stages, consumers),
     "  int counted = 0;",
     "  if (warpgroup < 0) {",
     *([f'    asm volatile("setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGISTERS};");'] if registers else []),
