@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's ourgrad
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_eager import host_kernels_disabled  # noqa: E402
+from bench_eager import gpt2_model_and_batch, host_kernels_disabled  # noqa: E402
 from bench_jit import MLP, load_mnist_example  # noqa: E402
 
 from ourgrad import Device, Tensor  # noqa: E402
@@ -72,16 +72,8 @@ class PhasedStep:
 
 def gpt2_step(device: str) -> PhasedStep:
   """bench_eager's gpt2 workload: 2 layers of GPT-2 small, batch 8 x 512 on CUDA, the tiny config elsewhere."""
-  from bench_gpt2 import CPU_CONFIG, BenchConfig
-  from extra.models.gpt2 import GPT2, configure_optimizers
-  from ourgrad import set_float32_matmul_precision
-  set_float32_matmul_precision("high")
-  config = BenchConfig.parse("8,512,768,12,2,50304" if device == "CUDA" else CPU_CONFIG)
-  model = GPT2(config.model)
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, config.model.vocab_size, (config.batch, config.sequence + 1)).astype(np.int32)
-  inputs = Tensor(tokens[:, :-1].copy(), device=device).realize()
-  targets = Tensor(tokens[:, 1:].copy(), device=device).realize()
+  from extra.models.gpt2 import configure_optimizers
+  model, inputs, targets = gpt2_model_and_batch(device)
   return PhasedStep(lambda: model(inputs, targets)[1], configure_optimizers(model), [])
 
 

@@ -164,19 +164,26 @@ def training_step(make_model: Callable[[], Any], shape: tuple[int, ...]) -> Call
   return make
 
 
+def gpt2_model_and_batch(device: str) -> tuple[Any, Tensor, Tensor]:
+  """The gpt2 workload's model and fixed batch of random tokens (inputs, targets): 2 layers of GPT-2 small, batch
+  8 x 512 on CUDA, bench_gpt2's tiny config elsewhere; TF32 matmuls allowed, as bench_gpt2.py runs it by default."""
+  from bench_gpt2 import CPU_CONFIG, BenchConfig
+  from extra.models.gpt2 import GPT2
+  set_float32_matmul_precision("high")
+  config = BenchConfig.parse("8,512,768,12,2,50304" if device == "CUDA" else CPU_CONFIG)
+  model = GPT2(config.model)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, config.model.vocab_size, (config.batch, config.sequence + 1)).astype(np.int32)
+  inputs = Tensor(tokens[:, :-1].copy(), device=device).realize()
+  targets = Tensor(tokens[:, 1:].copy(), device=device).realize()
+  return model, inputs, targets
+
+
 def gpt2_step(jit: bool) -> Callable[[str, int], Callable[[], Any]]:
-  """A GPT-2 training step (loss, backward, AdamW) on a fixed batch of random tokens, eager or under TinyJit; TF32
-  matmuls allowed, as bench_gpt2.py runs it by default."""
+  """A GPT-2 training step (loss, backward, AdamW) on gpt2_model_and_batch, eager or under TinyJit."""
   def make(device: str, batch: int) -> Callable[[], Any]:
-    from bench_gpt2 import CPU_CONFIG, BenchConfig
-    from extra.models.gpt2 import GPT2, configure_optimizers, training_step
-    set_float32_matmul_precision("high")
-    config = BenchConfig.parse("8,512,768,12,2,50304" if device == "CUDA" else CPU_CONFIG)
-    model = GPT2(config.model)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, config.model.vocab_size, (config.batch, config.sequence + 1)).astype(np.int32)
-    inputs = Tensor(tokens[:, :-1].copy(), device=device).realize()
-    targets = Tensor(tokens[:, 1:].copy(), device=device).realize()
+    from extra.models.gpt2 import configure_optimizers, training_step
+    model, inputs, targets = gpt2_model_and_batch(device)
     step = training_step(model, configure_optimizers(model))
     if jit: step = TinyJit(step)
     return lambda: step(inputs, targets)
