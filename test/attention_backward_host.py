@@ -75,6 +75,8 @@ inline void copy_async_4(void* shared, const void* global, bool valid) {
 inline void copy_async_commit() {}
 template <int PENDING> inline void copy_async_wait() {}
 inline float __uint_as_float(unsigned bits) { float f; memcpy(&f, &bits, 4); return f; }
+inline float __int_as_float(int bits) { float f; memcpy(&f, &bits, 4); return f; }
+inline int __float_as_int(float f) { int bits; memcpy(&bits, &f, 4); return bits; }
 inline unsigned float_as_uint(float f) { unsigned bits; memcpy(&bits, &f, 4); return bits; }
 struct float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return float2{x, y}; }

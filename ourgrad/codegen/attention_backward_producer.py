@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 from ourgrad.codegen.attention_backward_plan import PRODUCER_REGISTERS, PRODUCER_THREADS
 from ourgrad.codegen.attention_backward_wgmma import (HEAD_OFFSET, _last_wait, _owned_descriptor, _owned_tiles,
                                                       _tile_bytes, dq_accumulate_lines, dq_count_final_lines,
-                                                      dq_count_helpers, dq_reduce_lines, scores_lines,
-                                                      stage_addresses, values_lines)
+                                                      dq_count_helpers, dq_reduce_lines, iteration_tile_lines,
+                                                      scores_lines, stage_addresses, values_lines)
 from ourgrad.codegen.attention_wgmma import WARPGROUP_ROWS, staged_offset
 from ourgrad.codegen.wgmma_tiles import CExpr
 
@@ -236,10 +236,7 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, probabilit
     "    const int stage = iteration % STAGES;",
     "    mbarrier_wait(full_bar + 8 * stage, (iteration / STAGES) & 1);   // its copies have landed",
     "    async_proxy_fence();",
-    "    const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ;",
-    f"    {stage_addresses(p, stream, 'q_stage', 'do_stage', 'stage')}",
-    "    const float* lse_tile = row_buffers + stage * 2 * BQ;",
-    "    const float* delta_tile = lse_tile + BQ;",
+    *iteration_tile_lines(p),
     *scores,
     "    wgmma_wait_one();   // S^T",
     "    fence_accumulators(st);",

@@ -360,6 +360,15 @@ def dq_count_final_lines(plan: AttentionBackwardPlan) -> list[str]:
           "  }"]
 
 
+def iteration_tile_lines(plan: AttentionBackwardPlan) -> list[str]:
+  """C naming a dK/dV iteration's tiles (`iteration` and its `stage` declared before): its first query, the shared
+  addresses of the stage's Q and dO tiles, its LSE and delta rows."""
+  return ["    const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ;",
+          f"    {stage_addresses(plan, plan.dkdv_stream, 'q_stage', 'do_stage', 'stage')}",
+          "    const float* lse_tile = row_buffers + stage * 2 * BQ;",
+          "    const float* delta_tile = lse_tile + BQ;"]
+
+
 def stage_addresses(plan: AttentionBackwardPlan, rows: int, first: str, second: str, stage: str) -> str:
   """C declaring the shared addresses `first` and `second` of stage `stage`'s two tiles of `rows` rows."""
   tile = _tile_bytes(plan, rows)
@@ -455,11 +464,8 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, held_loads
     f"      copy_stage(iteration + 1, (iteration + 1) % {p.wgmma_stages});",
     "      copy_async_commit();",
     "    }",
-    "    const int q_start = q_first + (GROUP == 1 ? iteration : iteration % q_tiles) * BQ;",
     f"    const int stage = iteration % {p.wgmma_stages};",
-    f"    {stage_addresses(p, stream, 'q_stage', 'do_stage', 'stage')}",
-    "    const float* lse_tile = row_buffers + stage * 2 * BQ;",
-    "    const float* delta_tile = lse_tile + BQ;",
+    *iteration_tile_lines(p),
     *scores,
     "    wgmma_wait_one();   // S^T",
     "    fence_accumulators(st);",
