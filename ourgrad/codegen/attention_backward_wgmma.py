@@ -122,13 +122,15 @@ def _tile_bytes(plan: AttentionBackwardPlan, rows: int) -> int:
 
 
 def copy_stage_lines(plan: AttentionBackwardPlan, rows: int, first_row: str, valid: str,
-                     tiles: tuple[tuple[str, str, int], tuple[str, str, int]]) -> list[str]:
+                     tiles: tuple[tuple[str, str, int], tuple[str, str, int]], thread: str = "threadIdx.x",
+                     threads: str = "blockDim.x") -> list[str]:
   """Copies (one 16-byte cp.async a piece) of rows [0, `rows`) of two tiles into their swizzled stage tiles: each
   (shared address of the stage tile, first element of row `first_row` in global memory, row stride), rows from
-  `valid` on as zeros (a zero-filled copy still names row `first_row`'s address)."""
+  `valid` on as zeros (a zero-filled copy still names row `first_row`'s address); thread `thread` (C) of `threads`
+  copies every `threads`-th piece."""
   pieces = plan.head_dim // 8
   target = staged_offset(rows, CExpr("row"), CExpr("column"))
-  return [f"    for (int piece = threadIdx.x; piece < {rows * pieces}; piece += blockDim.x) {{",
+  return [f"    for (int piece = {thread}; piece < {rows * pieces}; piece += {threads}) {{",
           f"      const int row = piece / {pieces}, column = (piece % {pieces}) * 8;",
           f"      const bool inside = row < {valid};",
           "      const long long clamped = inside ? row : 0;",
@@ -376,15 +378,15 @@ def stage_addresses(plan: AttentionBackwardPlan, rows: int, first: str, second: 
 
 
 def _owned_tiles(plan: AttentionBackwardPlan, rows: int, base: str, prologue: str, start: str, count: str,
-                 tiles: tuple[tuple[str, str, int], tuple[str, str, int]]) -> list[str]:
+                 tiles: tuple[tuple[str, str, int], tuple[str, str, int]], copies: bool = True) -> list[str]:
   """C placing a kernel's two owned swizzled tiles of `rows` rows (`tiles`: (shared address name, source pointer,
   row stride) each) from the first 1024-byte atom at or after shared address `base`, the stages after them, then
-  `prologue` and the tiles' copies (rows `start` on, `count` of them)."""
+  `prologue` and (`copies`) the whole block's copies of the tiles (rows `start` on, `count` of them)."""
   (first, _, _), (second, _, _) = tiles
   tile = _tile_bytes(plan, rows)
   return [f"  const unsigned {first} = ({base} + 1023u) & ~1023u;",
           f"  const unsigned {second} = {first} + {tile}u, stages = {second} + {tile}u;",
-          prologue, *copy_stage_lines(plan, rows, start, count, tiles)]
+          prologue, *(copy_stage_lines(plan, rows, start, count, tiles) if copies else [])]
 
 
 def _owned_descriptor(rows: int, tile: str) -> str:
