@@ -67,6 +67,8 @@ struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+struct uint2 { unsigned x, y; };
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 // cp.async copies at once on the host: nothing is in flight
 inline void copy_async_16(void* shared, const void* global, bool valid) {
   if (valid) memcpy(shared, global, 16); else memset(shared, 0, 16); }
@@ -75,8 +77,6 @@ inline void copy_async_4(void* shared, const void* global, bool valid) {
 inline void copy_async_commit() {}
 template <int PENDING> inline void copy_async_wait() {}
 inline float __uint_as_float(unsigned bits) { float f; memcpy(&f, &bits, 4); return f; }
-inline float __int_as_float(int bits) { float f; memcpy(&f, &bits, 4); return f; }
-inline int __float_as_int(float f) { int bits; memcpy(&bits, &f, 4); return bits; }
 inline unsigned float_as_uint(float f) { unsigned bits; memcpy(&bits, &f, 4); return bits; }
 struct float2 { float x, y; };
 inline float2 make_float2(float x, float y) { return float2{x, y}; }

@@ -129,8 +129,7 @@ VARIANTS = [(dtype, head_dim, causal, kv_heads, "mma_sync") for dtype in ("float
 VARIANTS += [("bfloat16", 64, True, 12, "wgmma"), ("float16", 128, False, 4, "wgmma"),
              ("bfloat16", 64, True, 4, "overlap"), ("bfloat16", 64, True, 4, "single_pass"),
              ("bfloat16", 64, True, 12, "single_pass_bulk"), ("bfloat16", 64, True, 4, "warp_specialized"),
-             ("bfloat16", 64, True, 4, "warp_specialized_dkdv"), ("bfloat16", 64, True, 12, "exp_poly"),
-             ("bfloat16", 64, True, 4, "owned_by_producer")]
+             ("bfloat16", 64, True, 4, "warp_specialized_dkdv")]
 VARIANT_FIELDS = {"overlap": {"mma": "wgmma", "wgmma_overlap": True},
                   "single_pass": {"mma": "wgmma", "dq_accumulate": True, "stream_q": 128, "dq_reduce_width": 4},
                   "single_pass_bulk": {"mma": "wgmma", "dq_accumulate": True, "block_kv": 128, "stream_q": 128,
@@ -138,11 +137,7 @@ VARIANT_FIELDS = {"overlap": {"mma": "wgmma", "wgmma_overlap": True},
                   "warp_specialized": {"mma": "wgmma", "dq_accumulate": True, "block_kv": 128, "stream_q": 128,
                                        "dq_reduce_width": 4, "warp_specialized": True},
                   "warp_specialized_dkdv": {"mma": "wgmma", "block_kv": 128, "stream_q": 128, "dkdv_held": False,
-                                            "warp_specialized": True},
-                  "exp_poly": {"mma": "wgmma", "dq_accumulate": True, "block_kv": 128, "stream_q": 128,
-                               "warp_specialized": True, "dq_bulk_reduce": True, "exp_poly": 4},
-                  "owned_by_producer": {"mma": "wgmma", "dq_accumulate": True, "block_kv": 128, "stream_q": 128,
-                                        "warp_specialized": True, "dq_bulk_reduce": True, "owned_by_producer": True}}
+                                            "warp_specialized": True}}
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda variant: "_".join(map(str, variant)))
@@ -241,16 +236,6 @@ WGMMA_HOST_CASES = [
                                                             "warp_specialized": True, "dq_bulk_reduce": True}),
   ("float16", (1, 2, 1, 90, 70, 128, False), "contiguous", {"dq_accumulate": True, "stream_q": 64,
                                                            "warp_specialized": True, "dq_bulk_reduce": True}),
-  # and every other 8 queries' exponentials by the cubic (masked tiles too)
-  ("bfloat16", (1, 4, 2, 300, 290, 64, True), "contiguous", {"dq_accumulate": True, "block_kv": 128, "stream_q": 128,
-                                                             "warp_specialized": True, "dq_bulk_reduce": True,
-                                                             "exp_poly": 2}),
-  # and K and V copied by the producer beside the first stages (the two kernels' dK/dV kernel too)
-  ("bfloat16", (1, 4, 2, 300, 290, 64, True), "projected", {"dq_accumulate": True, "block_kv": 128, "stream_q": 128,
-                                                            "warp_specialized": True, "dq_bulk_reduce": True,
-                                                            "owned_by_producer": True}),
-  ("float16", (1, 2, 1, 90, 70, 128, False), "projected", {"stream_q": 64, "warp_specialized": True,
-                                                          "owned_by_producer": True}),
 ]
 
 

@@ -80,11 +80,6 @@ def configs(plan: AttentionBackwardPlan, wgmma: bool) -> dict[str, dict[str, dic
     dkdv["wgmma single pass producer bulk"] = {   # dQ staged, added by the producer's writer thread
       "block_kv": 128, "stream_q": 128, "dkdv_held": False, "mma": "wgmma", "dq_accumulate": True,
       "warp_specialized": True, "dq_bulk_reduce": True}
-    dkdv["wgmma single pass producer bulk owned"] = {   # K and V copied by the producer (plan.owned_by_producer)
-      **dkdv["wgmma single pass producer bulk"], "owned_by_producer": True}
-    for every in (2, 4, 8):   # and every k-th 8 queries' exponentials on the FMA pipe (plan.exp_poly)
-      dkdv[f"wgmma single pass producer bulk exp_poly {every}"] = {
-        **dkdv["wgmma single pass producer bulk"], "exp_poly": every}
   for table in (dq, dkdv):
     table["default no hint"] = {"shared_per_sm": 0}
     if wgmma: table["mma_sync default"] = {"mma": "mma_sync", **default_blocks(plan.head_dim, plan.dtype)}

@@ -42,7 +42,6 @@ from __future__ import annotations
 from ourgrad.codegen import attention_backward_producer, attention_backward_wgmma
 from ourgrad.codegen.attention_backward_plan import (DKDV_KERNEL, DQ_COUNT_ROWS, DQ_KERNEL, LOG2E,
                                                     AttentionBackwardPlan, KernelLaunch, Strides)
-from ourgrad.codegen.attention_helpers import POLY_EXP2_HELPER
 from ourgrad.codegen.tensor_cores import M16N8K8_TF32_MAPS, M16N8K16_MAPS, FragmentMaps
 from ourgrad.codegen.wgmma_tiles import C_TYPE, PTX_TYPE
 from ourgrad.renderer.cstyle import DYNAMIC_SHARED_SYMBOL   # the size ops_cuda.CUDAProgram reads at load
@@ -316,7 +315,6 @@ def _header(plan: AttentionBackwardPlan, shared_bytes: int, block_q: int, block_
   if plan.grad_float32: o_helpers += "typedef float grad_t;\n#define grad_from_float(x) (x)\n"
   else: o_helpers += "typedef elem_t grad_t;\n#define grad_from_float from_float\n"
   helpers = instruction_helpers(plan.dtype) + o_helpers + _warp_helpers(plan.dtype) + _load_tile(plan)
-  if plan.exp_poly: helpers += POLY_EXP2_HELPER + MIXED_EXP2_HELPER
   return "\n".join(lines) + "\n" + helpers
 
 
@@ -417,33 +415,22 @@ _DQ_PROBABILITY = "s[t][c] = {prob}fmaf(s[t][c], SCALE_LOG2E, -row_lse[c >> 1]){
 _DQ_GRADIENT = "dp[t][c] = s[t][c] * (dp[t][c] - row_delta[c >> 1]);"
 
 
-# plan.exp_poly: an exponential by the cubic of POLY_EXP2_HELPER (FMA pipe; x <= 0, as every exponent of P is) or by
-# MUFU, chosen by a condition the unrolled loops make constant
-MIXED_EXP2_HELPER = """__device__ __forceinline__ float mixed_exp2(bool poly, float x) {
-  return poly ? poly_exp2(x) : fast_exp2(x);
-}
-"""
-
-
-def _masked_elements(columns: str, comment: str, element: str, query: str, key: str, exp_poly: int = 0) -> str:
+def _masked_elements(columns: str, comment: str, element: str, query: str, key: str) -> str:
   """The elementwise step over a warp's 16 x `columns` accumulator tiles, rendered twice: where the tile is `masked`
   each element's query `query` and key `key` (C expressions of its `row` and `column`) are tested (past L or S, or
   causal and the key after the query: probability 0); elsewhere (interior tiles, most of a long sequence's) not."""
-  return f"    if (masked) {{\n{_element_loop(columns, comment, element, query, key, True, exp_poly)}\n" \
-      f"    }} else {{\n{_element_loop(columns, comment, element, query, key, False, exp_poly)}\n    }}"
+  return f"    if (masked) {{\n{_element_loop(columns, comment, element, query, key, True)}\n    }} else {{\n" \
+      f"{_element_loop(columns, comment, element, query, key, False)}\n    }}"
 
 
-def _element_loop(columns: str, comment: str, element: str, query: str, key: str, masked: bool,
-                  exp_poly: int = 0) -> str:
-  """`element` (its `{prob}`, `{close}` filled in) for every element of the warp's tiles, its mask tested or not;
-  `exp_poly` k: the exponentials of every k-th 8 columns by `poly_exp2` (the FMA pipe), the rest by MUFU."""
+def _element_loop(columns: str, comment: str, element: str, query: str, key: str, masked: bool) -> str:
+  """`element` (its `{prob}`, `{close}` filled in) for every element of the warp's tiles, its mask tested or not."""
   if masked:
     indices = ("const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);\n"
                f"          const int i = {query}, j = {key};\n"
                "          const bool keep = i < L && j < S && (!CAUSAL || j <= i);\n          ")
   else: indices = "const int column = t * 8 + 2 * quad + (c & 1);\n          " if "column" in element else ""
-  exp2 = f"mixed_exp2(t % {exp_poly} == {exp_poly - 1}, " if exp_poly else "fast_exp2("
-  step = element.format(prob=f"keep ? {exp2}" if masked else exp2, close=") : 0.0f" if masked else ")")
+  step = element.format(prob="keep ? fast_exp2(" if masked else "fast_exp2(", close=") : 0.0f" if masked else ")")
   return f"""#pragma unroll
       for (int t = 0; t < {columns} / 8; t++) {{
 #pragma unroll
@@ -516,21 +503,38 @@ def _dkdv_prologue(p: AttentionBackwardPlan, padded_tiles: bool = True) -> str:
 
 
 def _dkdv_store(p: AttentionBackwardPlan) -> str:
-  """dK = SCALE dk_acc and dV = dv_acc stored from the accumulators."""
+  """dK = SCALE dk_acc and dV = dv_acc stored from the accumulators: each thread's two neighbouring columns (C
+  fragment elements c, c + 1) by one store where dk's and dv's strides are even (their buffers aligned, as
+  plan.vector_width assumes of the operands), else an element a store."""
   first = f"{_offset(p.dk_strides, 'batch', 'kv_head')} + (long long)k_start * {p.dk_strides[2]}LL"
+  pairs = all(stride % 2 == 0 for stride in (*p.dk_strides, *p.dv_strides))
+  dk_at, dv_at = (f"{name}[{name}_row0 + (long long)row * {strides[2]}LL + column]"
+                  for name, strides in (("dk", p.dk_strides), ("dv", p.dv_strides)))
+  if pairs:
+    stores = (f"        {_pair_store(p, dk_at, 'SCALE * dk_acc[t][c]', 'SCALE * dk_acc[t][c + 1]')}\n"
+              f"        {_pair_store(p, dv_at, 'dv_acc[t][c]', 'dv_acc[t][c + 1]')}")
+  else:
+    stores = (f"        {dk_at} = grad_from_float(SCALE * dk_acc[t][c]);\n"
+              f"        {dv_at} = grad_from_float(dv_acc[t][c]);")
   return f"""  const long long dk_row0 = {first};
   const long long dv_row0 = {_offset(p.dv_strides, "batch", "kv_head")} + (long long)k_start * {p.dv_strides[2]}LL;
 #pragma unroll
   for (int t = 0; t < D / 8; t++) {{
 #pragma unroll
-    for (int c = 0; c < 4; c++) {{
+    for (int c = 0; c < 4; c += {2 if pairs else 1}) {{
       const int row = warp * 16 + g + (c >> 1) * 8, column = t * 8 + 2 * quad + (c & 1);
       if (row < k_rows) {{
-        dk[dk_row0 + (long long)row * {p.dk_strides[2]}LL + column] = grad_from_float(SCALE * dk_acc[t][c]);
-        dv[dv_row0 + (long long)row * {p.dv_strides[2]}LL + column] = grad_from_float(dv_acc[t][c]);
+{stores}
       }}
     }}
   }}"""
+
+
+def _pair_store(p: AttentionBackwardPlan, target: str, first: str, second: str) -> str:
+  """C storing two neighbouring gradient elements (floats `first`, `second`) at `target` as one 4-byte (16-bit pair)
+  or 8-byte (float32) store."""
+  if p.grad_dtype == "float32": return f"*(float2*)&{target} = make_float2({first}, {second});"
+  return f"*(unsigned*)&{target} = pack_floats({first}, {second});"
 
 
 def _dq_elementwise() -> str:
@@ -542,14 +546,13 @@ def _dkdv_elementwise() -> str:
                           "k_start + row")
 
 
-def _wgmma_elementwise(kernel: str, exp_poly: int = 0) -> tuple[str, str]:
-  """The wgmma kernels' elementwise step in two: the probabilities (masked where the tile is; the dK/dV kernel's
-  with `exp_poly`, plan.exp_poly) and dS (unmasked: P is 0 where masked)."""
+def _wgmma_elementwise(kernel: str) -> tuple[str, str]:
+  """The wgmma kernels' elementwise step in two: the probabilities (masked where the tile is) and dS (unmasked: P is
+  0 where masked)."""
   if kernel == DQ_KERNEL:
     return (_masked_elements("BK", "P, in place of S", _DQ_PROBABILITY, "q_start + row", "k_start + column"),
             _element_loop("BK", "dS, in place of dP", _DQ_GRADIENT, "", "", False))
-  return (_masked_elements("BQ", "P^T, in place of S^T", _DKDV_PROBABILITY, "q_start + column", "k_start + row",
-                           exp_poly),
+  return (_masked_elements("BQ", "P^T, in place of S^T", _DKDV_PROBABILITY, "q_start + column", "k_start + row"),
           _element_loop("BQ", "dS^T, in place of dP^T", _DKDV_GRADIENT, "", "", False))
 
 
@@ -665,13 +668,12 @@ def render_dkdv_kernel(plan: AttentionBackwardPlan, device_function: bool = Fals
   if p.warp_specialized:   # with a producer warpgroup (the single pass's or the two kernels' dK/dV kernel)
     return _header(p, p.dkdv_shared_bytes, p.dkdv_stream, p.block_kv) + attention_backward_wgmma.wgmma_helpers(
       p, DKDV_KERNEL) + attention_backward_producer.producer_helpers(p) + attention_backward_producer.dkdv_body(
-        p, entry, _dkdv_prologue(p, False), *_wgmma_elementwise(DKDV_KERNEL, p.exp_poly), _dkdv_store(p))
+        p, entry, _dkdv_prologue(p, False), *_wgmma_elementwise(DKDV_KERNEL), _dkdv_store(p))
   if p.mma == "wgmma":
     held = _held_loads(p.dkdv_held, ("k_held", "k_tile"), ("v_held", "v_tile"))
-    elementwise = _wgmma_elementwise(DKDV_KERNEL, p.exp_poly)
     return _header(p, p.dkdv_shared_bytes, p.dkdv_stream, p.block_kv) + attention_backward_wgmma.wgmma_helpers(
       p, DKDV_KERNEL) + attention_backward_wgmma.dkdv_body(p, entry, _dkdv_prologue(p, p.dkdv_held), held,
-                                                             *elementwise, _dkdv_store(p))
+                                                             *_wgmma_elementwise(DKDV_KERNEL), _dkdv_store(p))
   # K and V have landed (their copy group is the older one) before their fragments are held
   held_loads = ("\n  copy_async_wait<1>();\n  __syncthreads();" if p.dkdv_held else "") + _held_loads(
     p.dkdv_held, ("k_held", "k_tile"), ("v_held", "v_tile"))

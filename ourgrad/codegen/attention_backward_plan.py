@@ -89,13 +89,6 @@ class AttentionBackwardPlan:
   # with dq_bulk_reduce the producer's second warp issues the staged dQ's bulk reductions
   warp_specialized: bool = False
   ring_stages: int = 0   # the wgmma kernels' stages of streamed tiles where set (0: `wgmma_stages`'s rule)
-  # wgmma dK/dV kernel: the exponentials of P^T's every exp_poly-th 8 queries by a cubic on the FMA pipe instead of
-  # MUFU (codegen/attention_helpers.POLY_EXP2_HELPER: relative error 8e-5, under P's rounding to 16 bits); 0: none
-  exp_poly: int = 0
-  # warp_specialized: the producer's copiers copy the owned K and V tiles too, counted by an mbarrier the consumers
-  # wait on before their first product, so that those copies and the first stages' are in flight at once (instead
-  # of the whole block copying K and V and waiting for them before the roles split)
-  owned_by_producer: bool = False
 
   def __post_init__(self) -> None:
     if self.dtype not in ITEMSIZE:
@@ -127,10 +120,6 @@ class AttentionBackwardPlan:
     if self.warp_specialized and (self.mma != "wgmma" or self.dkdv_held or self.wgmma_overlap):
       raise ShapeError("the warp-specialized dK/dV kernel runs on wgmma with K and V read by descriptor, without "
                        f"wgmma_overlap: mma {self.mma}, dkdv_held {self.dkdv_held}, wgmma_overlap {self.wgmma_overlap}")
-    if self.exp_poly < 0 or (self.exp_poly and self.mma != "wgmma"):
-      raise ShapeError(f"exp_poly {self.exp_poly}: every k-th 8 queries (k >= 1) of the wgmma dK/dV kernel, or 0")
-    if self.owned_by_producer and not self.warp_specialized:
-      raise ShapeError("owned_by_producer: the producer warpgroup copies K and V (warp_specialized)")
     if self.ring_stages not in (0, 2, 3, 4):
       raise ShapeError(f"ring_stages {self.ring_stages}: want 2, 3 or 4 stages (0: by the plan's rule)")
     if self.dq_reduce_width not in (2, 4):
@@ -292,11 +281,10 @@ class AttentionBackwardPlan:
 
   @property
   def mbarrier_bytes(self) -> int:
-    """warp_specialized: the dK/dV kernel's mbarriers (8 bytes each): a full and an empty one a stage, with
-    dq_bulk_reduce the staged dQ's full, empty and done ones, with owned_by_producer the owned tiles' one; else
-    none."""
+    """warp_specialized: the dK/dV kernel's mbarriers (8 bytes each): a full and an empty one a stage, and with
+    dq_bulk_reduce the staged dQ's full, empty and done ones; else none."""
     if not self.warp_specialized: return 0
-    return 8 * (2 * self.wgmma_stages + (3 if self.dq_bulk_reduce else 0) + (1 if self.owned_by_producer else 0))
+    return 8 * (2 * self.wgmma_stages + (3 if self.dq_bulk_reduce else 0))
 
   @property
   def count_elements(self) -> int:

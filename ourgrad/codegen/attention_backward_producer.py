@@ -25,7 +25,7 @@ from ourgrad.codegen.attention_backward_plan import PRODUCER_REGISTERS, PRODUCER
 from ourgrad.codegen.attention_backward_wgmma import (HEAD_OFFSET, _last_wait, _owned_descriptor, _owned_tiles,
                                                       _tile_bytes, dq_accumulate_lines, dq_count_final_lines,
                                                       dq_count_helpers, dq_reduce_lines, iteration_tile_lines,
-                                                      copy_stage_lines, scores_lines, stage_addresses, values_lines)
+                                                      scores_lines, stage_addresses, values_lines)
 from ourgrad.codegen.attention_wgmma import WARPGROUP_ROWS, staged_offset
 from ourgrad.codegen.wgmma_tiles import CExpr
 
@@ -70,20 +70,6 @@ template <int N> __device__ __forceinline__ void registers_increase() {{
 def producer_helpers(plan: AttentionBackwardPlan) -> str:
   """The helpers of the warp-specialized dK/dV kernel, after the single pass's (CONSUMER_THREADS defined)."""
   return f"#define CONSUMER_THREADS {plan.consumer_threads}\n" + PRODUCER_HELPERS
-
-
-def owned_tiles(plan: AttentionBackwardPlan) -> tuple[tuple[str, str, int], tuple[str, str, int]]:
-  """The owned K and V tiles' (shared address, first row, row stride)."""
-  return (("k_owned", "k + k_row0", plan.k_strides[2]), ("v_owned", "v + v_row0", plan.v_strides[2]))
-
-
-def _owned_copy_lines(plan: AttentionBackwardPlan) -> list[str]:
-  """owned_by_producer: the copiers' copies of the owned K and V tiles, then each copier's arrival on `owned_bar`
-  once they have landed (before its first stage's copies, which are then in flight with them)."""
-  lines = copy_stage_lines(plan, plan.block_kv, "k_start", "k_rows", owned_tiles(plan), "copier",
-                           f"{copier_threads(plan)}")
-  # (unrolled, its addresses did not fit the producer's registers, as the stages' copies)
-  return ["#pragma unroll 1", *lines, "    copy_async_arrive(owned_bar);"]
 
 
 def copier_threads(plan: AttentionBackwardPlan) -> int:
@@ -138,7 +124,6 @@ def _producer_lines(plan: AttentionBackwardPlan) -> list[str]:
     "    const int producer = threadIdx.x - CONSUMER_THREADS;",
     *_writer_lines(p),
     f"    const int copier = {copier};",
-    *(_owned_copy_lines(p) if p.owned_by_producer else []),
     "    for (int iteration = 0; iteration < iterations; iteration++) {",
     "      const int stage = iteration % STAGES;",
     "      if (iteration >= STAGES) mbarrier_wait(empty_bar + 8 * stage, (iteration / STAGES - 1) & 1);",
@@ -222,16 +207,15 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, probabilit
     "  float* row_buffers = (float*)shared_bytes;   // a stage's LSE and delta rows: 2 x stages x BQ",
     "  // the swizzled K and V tiles from the next 1024-byte atom, then the stages' Q and dO tiles",
     *_owned_tiles(p, p.block_kv, "shared_address(row_buffers + 2 * STAGES * BQ)", prologue,
-                  "k_start", "k_rows", owned_tiles(p), not p.owned_by_producer),
-    *([] if p.owned_by_producer else ["  copy_async_commit();"]),
+                  "k_start", "k_rows", (("k_owned", "k + k_row0", p.k_strides[2]),
+                                        ("v_owned", "v + v_row0", p.v_strides[2]))),
+    "  copy_async_commit();",
     *(dq_count_helpers(p) if single else []),
     f"  const unsigned full_bar = stages + {flags + staging}u, empty_bar = full_bar + 8 * STAGES;   // (8-byte "
     "aligned)",
     *(["  // the staged dQ: written (the consumers), its reductions' reads done, all of them done (the writer)",
        "  const unsigned dq_full = empty_bar + 8 * STAGES, dq_empty = dq_full + 8, dq_done = dq_full + 16;"]
       if p.dq_bulk_reduce else []),
-    *([f"  const unsigned owned_bar = empty_bar + 8 * STAGES + {24 if p.dq_bulk_reduce else 0};   // K and V copied"]
-      if p.owned_by_producer else []),
     "  if (threadIdx.x == 0) {",
     "    for (int stage = 0; stage < STAGES; stage++) {",
     f"      mbarrier_init(full_bar + 8 * stage, {copier_threads(p)});",
@@ -239,16 +223,12 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, probabilit
     "    }",
     *(["    mbarrier_init(dq_full, CONSUMER_THREADS);", "    mbarrier_init(dq_empty, 1);",
        "    mbarrier_init(dq_done, 1);"] if p.dq_bulk_reduce else []),
-    *([f"    mbarrier_init(owned_bar, {copier_threads(p)});"] if p.owned_by_producer else []),
     "  }",
-    *(["  __syncthreads();   // the barriers ready: the last barrier of the whole block"] if p.owned_by_producer else
-      ["  copy_async_wait<0>();   // K and V have landed",
-       "  async_proxy_fence();",
-       "  __syncthreads();   // K, V and the barriers ready: the last barrier of the whole block"]),
+    "  copy_async_wait<0>();   // K and V have landed",
+    "  async_proxy_fence();",
+    "  __syncthreads();   // K, V and the barriers ready: the last barrier of the whole block",
     *_producer_lines(p),
     *registers,
-    *(["  mbarrier_wait(owned_bar, 0);   // K and V have landed", "  async_proxy_fence();"]
-      if p.owned_by_producer else []),
     "  float dk_acc[D / 8][4], dv_acc[D / 8][4];",
     "#pragma unroll",
     "  for (int t = 0; t < D / 8; t++) for (int c = 0; c < 4; c++) { dk_acc[t][c] = 0.0f; dv_acc[t][c] = 0.0f; }",
@@ -278,8 +258,9 @@ def dkdv_body(plan: AttentionBackwardPlan, entry: str, prologue: str, probabilit
     *([] if single else ["    mbarrier_arrive(empty_bar + 8 * stage);   // this stage's tiles read"]),
     *(_dq_stage_lines(p) if p.dq_bulk_reduce else dq_reduce_lines(p) if single else []),
     "  }",
-    *(["  mbarrier_wait(dq_done, 0);   // every bulk reduction performed"] if p.dq_bulk_reduce else []),
+    # (dq_bulk_reduce: dK and dV stored first, their stores in flight while the last reductions complete)
+    *([store, "  mbarrier_wait(dq_done, 0);   // every bulk reduction performed"] if p.dq_bulk_reduce else []),
     *(dq_count_final_lines(p) if single else []),
-    store,
+    *([] if p.dq_bulk_reduce else [store]),
     "}"])
   return body + "\n"

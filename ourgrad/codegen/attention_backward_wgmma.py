@@ -122,15 +122,13 @@ def _tile_bytes(plan: AttentionBackwardPlan, rows: int) -> int:
 
 
 def copy_stage_lines(plan: AttentionBackwardPlan, rows: int, first_row: str, valid: str,
-                     tiles: tuple[tuple[str, str, int], tuple[str, str, int]], thread: str = "threadIdx.x",
-                     threads: str = "blockDim.x") -> list[str]:
+                     tiles: tuple[tuple[str, str, int], tuple[str, str, int]]) -> list[str]:
   """Copies (one 16-byte cp.async a piece) of rows [0, `rows`) of two tiles into their swizzled stage tiles: each
   (shared address of the stage tile, first element of row `first_row` in global memory, row stride), rows from
-  `valid` on as zeros (a zero-filled copy still names row `first_row`'s address); thread `thread` (C) of `threads`
-  copies every `threads`-th piece."""
+  `valid` on as zeros (a zero-filled copy still names row `first_row`'s address)."""
   pieces = plan.head_dim // 8
   target = staged_offset(rows, CExpr("row"), CExpr("column"))
-  return [f"    for (int piece = {thread}; piece < {rows * pieces}; piece += {threads}) {{",
+  return [f"    for (int piece = threadIdx.x; piece < {rows * pieces}; piece += blockDim.x) {{",
           f"      const int row = piece / {pieces}, column = (piece % {pieces}) * 8;",
           f"      const bool inside = row < {valid};",
           "      const long long clamped = inside ? row : 0;",
@@ -314,7 +312,7 @@ def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
   delta kernel zeroes it) of the K/V blocks that have added into it; the block whose addition completes the count
   (`contributors`: the causal blocks whose first Q tile is at or before it) rounds the tile's sums into dq
   (`dq_count_final_lines`). `done`: a flag a thread in shared memory after the dS tile."""
-  p, threads = plan, block_threads(plan)
+  p, threads = plan, plan.consumer_threads   # (the threads that convert: all but a producer warpgroup)
   stored = "(column ^ ((row & 7) << 3))" if p.dq_swizzled else "column"   # (rows start at multiples of 16)
   flags = p.wgmma_stages * 2 * _tile_bytes(p, p.dkdv_stream) + p.ds_tile_bytes
   return [f"  constexpr int COUNTED_TILES = (L + {DQ_COUNT_ROWS - 1}) / {DQ_COUNT_ROWS};   // dq_counts of a head",
@@ -332,14 +330,36 @@ def dq_count_helpers(plan: AttentionBackwardPlan) -> list[str]:
           "    const float* sums = dq_accum + (((long long)batch * H + head) * L + first) * D;",
           f"    grad_t* target = dq + {HEAD_OFFSET.format(*p.dq_strides[:2])} + (long long)first * "
           f"{p.dq_strides[2]}LL;",
-          f"    for (int i = threadIdx.x; i < rows * (D / 4); i += {threads}) {{",
-          "      const int row = i / (D / 4), column = (i % (D / 4)) * 4;",
-          f"      const float4 sum = __ldcg((const float4*)(sums + (long long)row * D + {stored}));",
+          "    // every load issued before the first store (the stores might alias the sums, so the compiler would",
+          "    // keep each load after the stores before it: an L2 round trip a piece instead of one a tile)",
+          f"    constexpr int PIECES = (BQ * (D / 4) + {threads} - 1) / {threads};",
+          "    float4 sum[PIECES];",
+          "#pragma unroll",
+          "    for (int n = 0; n < PIECES; n++) {",
+          f"      const int i = threadIdx.x + n * {threads}, row = i / (D / 4), column = (i % (D / 4)) * 4;",
+          f"      if (row < rows) sum[n] = __ldcg((const float4*)(sums + (long long)row * D + {stored}));",
+          "    }",
+          "#pragma unroll",
+          "    for (int n = 0; n < PIECES; n++) {",
+          f"      const int i = threadIdx.x + n * {threads}, row = i / (D / 4), column = (i % (D / 4)) * 4;",
           f"      grad_t* out = target + (long long)row * {p.dq_strides[2]}LL + column;",
-          "      out[0] = grad_from_float(sum.x); out[1] = grad_from_float(sum.y);",
-          "      out[2] = grad_from_float(sum.z); out[3] = grad_from_float(sum.w);",
+          *_four_stores(p, "      if (row < rows) ", "out", "sum[n]"),
           "    }",
           "  };"]
+
+
+def _four_stores(plan: AttentionBackwardPlan, guard: str, out: str, value: str) -> list[str]:
+  """C storing float4 `value` into four neighbouring gradient elements at `out`: one 16-byte (float32) or 8-byte
+  (two packed pairs) store where dq's strides keep every row's start a multiple of 4 elements (its buffer aligned,
+  as plan.vector_width assumes of the operands), else four."""
+  if all(stride % 4 == 0 for stride in plan.dq_strides):
+    if plan.grad_float32: return [f"{guard}*(float4*){out} = {value};"]
+    return [f"{guard}*(uint2*){out} = make_uint2(pack_floats({value}.x, {value}.y), "
+            f"pack_floats({value}.z, {value}.w));"]
+  return [f"{guard}{{",
+          f"        {out}[0] = grad_from_float({value}.x); {out}[1] = grad_from_float({value}.y);",
+          f"        {out}[2] = grad_from_float({value}.z); {out}[3] = grad_from_float({value}.w);",
+          "      }"]
 
 
 def dq_count_final_lines(plan: AttentionBackwardPlan) -> list[str]:
@@ -378,15 +398,15 @@ def stage_addresses(plan: AttentionBackwardPlan, rows: int, first: str, second: 
 
 
 def _owned_tiles(plan: AttentionBackwardPlan, rows: int, base: str, prologue: str, start: str, count: str,
-                 tiles: tuple[tuple[str, str, int], tuple[str, str, int]], copies: bool = True) -> list[str]:
+                 tiles: tuple[tuple[str, str, int], tuple[str, str, int]]) -> list[str]:
   """C placing a kernel's two owned swizzled tiles of `rows` rows (`tiles`: (shared address name, source pointer,
   row stride) each) from the first 1024-byte atom at or after shared address `base`, the stages after them, then
-  `prologue` and (`copies`) the whole block's copies of the tiles (rows `start` on, `count` of them)."""
+  `prologue` and the tiles' copies (rows `start` on, `count` of them)."""
   (first, _, _), (second, _, _) = tiles
   tile = _tile_bytes(plan, rows)
   return [f"  const unsigned {first} = ({base} + 1023u) & ~1023u;",
           f"  const unsigned {second} = {first} + {tile}u, stages = {second} + {tile}u;",
-          prologue, *(copy_stage_lines(plan, rows, start, count, tiles) if copies else [])]
+          prologue, *copy_stage_lines(plan, rows, start, count, tiles)]
 
 
 def _owned_descriptor(rows: int, tile: str) -> str:
