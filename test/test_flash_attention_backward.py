@@ -124,6 +124,46 @@ def test_launch_sizes():
   assert plan.delta_elements == 4 * 12 * 1000
 
 
+def _single_pass(**fields) -> AttentionBackwardPlan:
+  return AttentionBackwardPlan.contiguous(2, 12, 12, 1000, 1000, 64, "bfloat16", True, mma="wgmma", dq_accumulate=True,
+                                          block_kv=128, stream_q=128, warp_specialized=True, dq_bulk_reduce=True,
+                                          **fields)
+
+
+def test_dq_conversion_loads_before_it_stores():
+  """The single pass's conversion of a completed Q tile (dq_count_helpers' convert_tile) reads every sum it converts
+  before its first store (a store before a load would keep that load waiting for it: an L2 round trip a piece, the
+  H200 profile's kernel tail, ck_s17/attnbwd5_1.txt), and stores packed pairs where dq's strides allow."""
+  source = next(launch.source for launch in launches(_single_pass()) if launch.name == DKDV_KERNEL)
+  convert = source[source.index("auto convert_tile"):source.index("};", source.index("auto convert_tile"))]
+  assert convert.count("__ldcg(") == 1 and convert.index("__ldcg(") < convert.index("*(uint2*)out = ")
+  assert "float4 sum[PIECES];" in convert and "(BQ * (D / 4) + 256 - 1) / 256" in convert
+  plan = _single_pass()
+  odd = AttentionBackwardPlan(**{**plan.__dict__, "dq_strides": (12 * 1000 * 65, 1000 * 65, 65)})   # unaligned rows
+  source = next(launch.source for launch in launches(odd) if launch.name == DKDV_KERNEL)
+  assert "*(uint2*)out" not in source and "out[3] = grad_from_float(sum[n].w);" in source
+
+
+def test_dkdv_stores_pairs_where_strides_allow():
+  """dK and dV stored two neighbouring columns a store where their strides are even, an element a store else."""
+  plan = _single_pass()
+  source = next(launch.source for launch in launches(plan) if launch.name == DKDV_KERNEL)
+  assert "*(unsigned*)&dk[" in source and "*(unsigned*)&dv[" in source
+  assert "grad_from_float(SCALE * dk_acc" not in source
+  # (the store comes before the wait for the last bulk reductions)
+  assert source.index("*(unsigned*)&dk[") < source.index("mbarrier_wait(dq_done, 0);")
+  odd = AttentionBackwardPlan(**{**plan.__dict__, "dk_strides": (12 * 1000 * 65, 1000 * 65, 65)})
+  source = next(launch.source for launch in launches(odd) if launch.name == DKDV_KERNEL)
+  assert "*(unsigned*)&dk[" not in source and "grad_from_float(SCALE * dk_acc[t][c])" in source
+  float32 = AttentionBackwardPlan(**{**plan.__dict__, "grad_float32": True})
+  source = next(launch.source for launch in launches(float32) if launch.name == DKDV_KERNEL)
+  assert "*(float2*)&dk[" in source and "*(float4*)out = sum[n];" in source
+  compiler = nvrtc_compiler()
+  if compiler is not None:
+    for variant in (odd, float32):
+      for launch in launches(variant): assert compiler.compile(launch.source)
+
+
 VARIANTS = [(dtype, head_dim, causal, kv_heads, "mma_sync") for dtype in ("float32", "float16", "bfloat16")
             for head_dim, causal, kv_heads in ((64, True, 12), (128, False, 4))]
 VARIANTS += [("bfloat16", 64, True, 12, "wgmma"), ("float16", 128, False, 4, "wgmma"),
