@@ -394,7 +394,8 @@ def single_pass_blocks(head_dim: int) -> dict[str, int]:
   0.927 ms at 128 keys and 128 queries (0.925 with 2-sum reductions, 0.994 with TMA bulk reductions), 1.020 at 64
   keys, against 0.387 + 0.540 for the dQ and dK/dV kernels; SDPA forward + backward 1.325 ms against 1.322: equal.
   Warp-specialized with the producer's bulk reductions (session 16, sweep_attention_backward_h200_s16.txt): 0.757
-  ms, the default where ATTENTION_SINGLE_PASS is unset (codegen/attention_grad.single_pass_mode)."""
+  ms, the default where ATTENTION_SINGLE_PASS is unset (codegen/attention_grad.single_pass_mode); session 17 (its
+  dq conversion's loads before its stores, pair stores; ck_s17/attnbwd5_2.txt): 0.696 ms (main's 0.754)."""
   return {"block_kv": 128, "stream_q": 128, "dq_reduce_width": 4} if head_dim <= 64 else \
       {"block_kv": 64, "stream_q": 64, "dq_reduce_width": 4}
 
