@@ -78,3 +78,23 @@ def test_device_env_var_selects_the_default(monkeypatch):
   monkeypatch.setenv("DEVICE", "CLANG")
   assert Device.DEFAULT == "CLANG"
   assert Tensor([1.0]).device == "CLANG"
+
+
+@pytest.mark.parametrize("device", AVAILABLE)
+def test_buffer_reads_are_new_arrays_and_read_later_keeps_the_queued_value(device):
+  """`Buffer.numpy` returns a new array each read (writing it changes neither the buffer nor the next read), and
+  `Buffer.read_later` gives the contents as they were when it was called, even when later work (queued before the
+  read is waited for) overwrites the buffer: the copy is ordered before that work."""
+  values = np.arange(6, dtype=np.float32) - 2.5
+  tensor = Tensor(values, device=device).contiguous().realize()
+  buffer = tensor.lazydata.base.realized
+  first = buffer.numpy()
+  first[:] = 99
+  np.testing.assert_array_equal(buffer.numpy(), values)
+  np.testing.assert_array_equal(tensor.numpy(), values)
+  pending = buffer.read_later()
+  tensor.assign(tensor * 10).realize()   # queued after the read: overwrites the same buffer
+  assert tensor.lazydata.base.realized is buffer
+  np.testing.assert_array_equal(pending.numpy(), values)
+  np.testing.assert_array_equal(pending.numpy(), values)   # read twice: the same values
+  np.testing.assert_array_equal(buffer.numpy(), values * 10)

@@ -723,6 +723,25 @@ def test_llama_generate_greedy_feeds_back_on_the_device(sequences: int, _no_cuda
   with pytest.raises(ValueError, match="context"): resident.generate_greedy([1] * sequences, [14] * sequences, 3)
 
 
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_llama_stream_greedy_gives_each_step_as_generate_greedy(sequences: int, _no_cuda_render_check) -> None:
+  """`stream_greedy` (each step's ids read while the next step runs) yields the ids `generate_greedy` returns, one
+  step at a time; a caller that stops early leaves nothing pending, and the next run from the stop starts right."""
+  weights = _tiny_weights(TINY, seed=17)
+  prompts = [[4, 9, 31], [2, 17], [40, 1, 23, 11]][:sequences]
+
+  whole, streamed = _prefilled_tiny_llama(weights, prompts), _prefilled_tiny_llama(weights, prompts)
+  tokens, positions = [prompt[-1] for prompt in prompts], [len(prompt) - 1 for prompt in prompts]
+  expected = whole.generate_greedy(tokens, positions, 5)
+  steps = list(streamed.stream_greedy(tokens, positions, 5))
+  assert [[step[row] for step in steps] for row in range(sequences)] == expected
+  stream = streamed.stream_greedy(tokens, positions, 5)
+  first_two = [next(stream), next(stream)]
+  stream.close()   # stopped after two steps: the third was already queued
+  rest = list(streamed.stream_greedy(first_two[-1], [p + 2 for p in positions], 3))
+  assert [[step[row] for step in first_two + rest] for row in range(sequences)] == expected
+
+
 @pytest.mark.parametrize("symbolic", [True, False], ids=["symbolic", "fixed_shapes"])
 def test_llama_decode_replays_keep_their_input_buffers(symbolic: bool, monkeypatch, _no_cuda_render_check) -> None:
   """The step's host-made inputs are written into the same device buffers every step: a replay patches no kernel

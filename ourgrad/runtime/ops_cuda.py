@@ -36,6 +36,10 @@ CUDA_SUCCESS = driver.CUresult.CUDA_SUCCESS
 LAUNCH_SECONDS = 1.5e-6
 # a load waits ~0.6 us for HBM under load (H100/H200); times the bandwidth: the renderer's latency_bytes
 MEMORY_LATENCY_SECONDS = 0.6e-6
+# host-to-device copies up to this size go from pageable memory without waiting for the stream (CUDA's documented
+# behaviour for async copies from pageable memory: the bytes are staged by the driver before the call returns);
+# larger ones go through the pinned staging buffer, at full bandwidth
+SMALL_COPY_BYTES = 64 << 10
 
 
 def pointer_arguments(values: list[int]) -> tuple[Any, Any]:
@@ -68,6 +72,8 @@ class CUDAAllocator(LRUAllocator):
     self.device = device
     self.staging, self.staging_size = None, 0
     self.memory_bytes: int | None = None   # the device's, asked once (device_memory_bytes)
+    self.read_slots: dict[int, list[Any]] = {}   # copyout_later's free pinned slots by size
+    self.read_events: list[Any] = []   # and its free events
 
   def _alloc(self, nbytes: int) -> Any:
     self.device.make_current()
@@ -90,11 +96,37 @@ class CUDAAllocator(LRUAllocator):
       self.staging = check(driver.cuMemHostAlloc(self.staging_size, 0), "cuMemHostAlloc")
     return self.staging
 
+  copyout_waits = True   # copyout queues its copy behind the stream's work and waits for it
+
   def copyin(self, dest: Any, src: memoryview) -> None:
+    if src.nbytes <= SMALL_COPY_BYTES:
+      # straight from the caller's (pageable) memory: the driver takes the bytes into its own staging before it
+      # returns and orders the copy on the stream, so the host does not wait for the work queued before it (a
+      # jitted step's per-call inputs upload while the previous step still runs)
+      check(driver.cuMemcpyHtoDAsync(dest, _host_address(src), src.nbytes, self.device.stream), "cuMemcpyHtoDAsync")
+      return
     staging = self._staging(src.nbytes)
     self.device.synchronize()  # the staging buffer may still feed an earlier copy
     ctypes.memmove(staging, _host_address(src), src.nbytes)
     check(driver.cuMemcpyHtoDAsync(dest, staging, src.nbytes, self.device.stream), "cuMemcpyHtoDAsync")
+
+  def copyout_later(self, src: Any, nbytes: int) -> Callable[[memoryview], None]:
+    """The copy into a pinned slot of its own (reused once read) and an event behind it: the reader waits for the
+    event, not for the stream, so kernels queued after the copy keep running (Buffer.read_later)."""
+    size = max(256, 1 << (nbytes - 1).bit_length())   # slots by power-of-two size, so a few serve every read
+    free = self.read_slots.setdefault(size, [])
+    slot = free.pop() if free else check(driver.cuMemHostAlloc(size, 0), "cuMemHostAlloc")
+    event = self.read_events.pop() if self.read_events else check(
+      driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+    check(driver.cuMemcpyDtoHAsync(slot, src, nbytes, self.device.stream), "cuMemcpyDtoHAsync")
+    check(driver.cuEventRecord(event, self.device.stream), "cuEventRecord")
+
+    def finish(dest: memoryview) -> None:
+      check(driver.cuEventSynchronize(event), "cuEventSynchronize")
+      ctypes.memmove(_host_address(dest), slot, nbytes)
+      free.append(slot)
+      self.read_events.append(event)
+    return finish
 
   def copyout(self, dest: memoryview, src: Any) -> None:
     staging = self._staging(dest.nbytes)
