@@ -3,7 +3,8 @@
 Kernels are compiled for the GPU's own architecture (sm_XX from its compute capability) straight to CUBIN, so
 the driver loads machine code and never has to JIT PTX from a newer NVRTC. Memory comes from plain cuMemAlloc;
 launches are asynchronous on one stream, and the host waits only when it needs data (copyout) or a timing.
-Host<->device copies go through a pinned staging buffer. Every driver call is checked: an error names the call.
+Host<->device copies go through a pinned staging buffer (copies in of at most 64 KiB straight from pageable memory,
+without waiting for the stream). Every driver call is checked: an error names the call.
 `pip install 'ourgrad[cuda]'` brings cuda-python and NVRTC; a driver must be installed.
 """
 from __future__ import annotations
