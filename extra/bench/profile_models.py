@@ -251,6 +251,10 @@ def host_breakdown(model: Llama, args: argparse.Namespace) -> None:
   for _ in range(3): tiny(scalar).numpy()
   timings["tiny jit call+numpy"] = per_call(lambda: tiny(scalar).numpy())
   timings["tiny jit call+sync"] = per_call(lambda: (tiny(scalar), device.synchronize()))
+  if args.device == "CUDA":   # the binding's own cost: the same idle-stream wait through ctypes
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    stream = ctypes.c_void_p(int(getattr(device, "stream")))
+    timings["synchronize (idle, ctypes)"] = per_call(lambda: libcuda.cuStreamSynchronize(stream))
   print("driver/host costs (us per call): " + ", ".join(f"{name} {value:.1f}" for name, value in timings.items()))
   profiler = cProfile.Profile()
   profiler.enable()
