@@ -411,6 +411,8 @@ class Llama:
     self._resident_jit = TinyJit(self._resident_graph)   # greedy steps fed back on the device (`generate_greedy`)
     self._resident: dict[str, Tensor] | None = None   # its state buffers, made on first use
     self._step_buffer: Tensor | None = None   # the decode step's host-made input (`_step_inputs`)
+    self._step_host = np.zeros((sequences, 2), np.int32)   # its host side: each sequence's token and position
+    self._step_bytes = memoryview(self._step_host).cast("B")   # the same memory as copyin takes it
     self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by prefill_shape
 
   @staticmethod
@@ -654,18 +656,18 @@ class Llama:
     if self.symbolic and len(set(positions)) > 1:
       raise ValueError(f"a symbolic decode attends to one length for all sequences, got positions {positions}: "
                        "construct the model with symbolic=False for sequences at different positions")
-    host = np.array([tokens, positions], np.int32).T   # (S, 2): each sequence's token and position
+    self._step_host[:, 0], self._step_host[:, 1] = tokens, positions
     bound = self.position.bind(positions[0]) if self.symbolic else None
-    return self._upload_step(host), bound
+    return self._upload_step(), bound
 
-  def _upload_step(self, host: np.ndarray) -> Tensor:
-    """The step's host-made input, copied into the same device buffer at every step: a captured step's CUDA graph
-    then keeps its kernels' arguments (a new buffer would make the replay patch every kernel node that reads it,
-    one driver call each)."""
+  def _upload_step(self) -> Tensor:
+    """The step's host-made input (`_step_host`), copied into the same device buffer at every step: a captured
+    step's CUDA graph then keeps its kernels' arguments (a new buffer would make the replay patch every kernel node
+    that reads it, one driver call each)."""
     if self._step_buffer is None:
-      self._step_buffer = Tensor(host, device=self.device).contiguous().realize()
+      self._step_buffer = Tensor(self._step_host.copy(), device=self.device).contiguous().realize()
       return self._step_buffer
     buffer = self._step_buffer.lazydata.realized
     assert buffer is not None
-    buffer.copyin(memoryview(np.ascontiguousarray(host)).cast("B"))
+    buffer.copyin(self._step_bytes)
     return self._step_buffer
