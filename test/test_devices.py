@@ -98,3 +98,16 @@ def test_buffer_reads_are_new_arrays_and_read_later_keeps_the_queued_value(devic
   np.testing.assert_array_equal(pending.numpy(), values)
   np.testing.assert_array_equal(pending.numpy(), values)   # read twice: the same values
   np.testing.assert_array_equal(buffer.numpy(), values * 10)
+
+
+@pytest.mark.parametrize("device", AVAILABLE)
+@pytest.mark.parametrize("count", [3, 16384, 16385, 100_000], ids=["tiny", "64KiB", "64KiB+4", "large"])
+def test_copies_in_and_out_on_both_sides_of_the_small_copy_size(device, count):
+  """Copies in and out of up to 64 KiB take CUDA's pageable path (no staging buffer), larger ones the pinned staging
+  buffer: both give the bytes back, also from a read-only source and into a buffer written by a queued kernel."""
+  values = np.random.default_rng(count).standard_normal(count).astype(np.float32)
+  source = values.copy()
+  source.flags.writeable = False   # a read-only host buffer: its address is taken another way
+  tensor = Tensor(source, device=device).realize()
+  np.testing.assert_array_equal(tensor.numpy(), values)
+  np.testing.assert_array_equal((tensor * 2).numpy(), values * 2)   # read right after the kernel was queued
