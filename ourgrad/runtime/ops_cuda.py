@@ -186,8 +186,8 @@ class DirectCalls:
     status = self._sync(self.stream)
     if status: self._raise(status, "cuStreamSynchronize")
 
-  def graph_launch(self, graph_exec: int) -> None:
-    status = self._graph_launch(graph_exec, self.stream)
+  def graph_launch(self, graph_exec: Any) -> None:
+    status = self._graph_launch(int(graph_exec), self.stream)
     if status: self._raise(status, "cuGraphLaunch")
 
 
@@ -550,7 +550,6 @@ class CUDAGraph:
       self.arguments.append(arguments)
       self.keep_alive.append(pointers)
     self.graph_exec = check(driver.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
-    self.graph_exec_handle = int(self.graph_exec)   # what DirectCalls.graph_launch passes
     # DEBUG=1 only: at DEBUG>=2 the JIT replays kernel by kernel, without a graph, to time each. Each kernel's line
     # where the rule decided (modes 2 and 4), else the counts
     if DEBUG >= 1: print(self.describe(launches, per_kernel=len(set(self.edges[1:])) > 1))
@@ -587,7 +586,7 @@ class CUDAGraph:
         check(driver.cuGraphExecKernelNodeSetParams(self.graph_exec, self.nodes[index], self.node_params[index]),
               "cuGraphExecKernelNodeSetParams")
       self.changed.clear()
-    self.device.direct.graph_launch(self.graph_exec_handle)
+    self.device.direct.graph_launch(self.graph_exec)
 
   def __del__(self) -> None:
     try:
