@@ -82,6 +82,14 @@ class Allocator:
   def _free(self, handle: Any, nbytes: int) -> None: pass
   def copyin(self, dest: Any, src: memoryview) -> None: raise NotImplementedError
   def copyout(self, dest: memoryview, src: Any) -> None: raise NotImplementedError
+  def copyout_later(self, src: Any, nbytes: int) -> Callable[[memoryview], None] | None:
+    """Queue a copy of the first `nbytes` of `src` to the host behind the work queued so far, without waiting;
+    returns the function that waits for that copy alone and writes the bytes into its argument. None where the
+    device has no such copy (the caller then reads synchronously)."""
+    return None
+  # whether copyout itself waits for the device's queued work (a copy queued behind it, then waited for): Buffer.copyout
+  # then skips its own synchronize, one wait for the device a read instead of two
+  copyout_waits: bool = False
 
 
 # Buffers are allocated, filled, read and freed from any thread (a data-loading thread, or the garbage collector
@@ -291,9 +299,21 @@ class Buffer:
   def copyout(self, dest: memoryview) -> memoryview:
     if self.nbytes:
       with MEMORY_LOCK:
-        Device[self.device].synchronize()
-        Device[self.device].allocator.copyout(dest, self.handle)
+        device = Device[self.device]
+        if not device.allocator.copyout_waits: device.synchronize()
+        device.allocator.copyout(dest, self.handle)
     return dest
+
+  def read_later(self) -> PendingRead:
+    """The contents as they will be once the work queued so far has run, read without waiting for work queued after
+    this call (a device with queued copies: CUDA): queue the next step, then read this one's result while it runs.
+    Other devices read at once."""
+    values = np.empty(self.size, np.uint16 if self.dtype == dtypes.bfloat16 else self.dtype.np)
+    finish = None
+    if self.nbytes:
+      with MEMORY_LOCK: finish = Device[self.device].allocator.copyout_later(self.handle, self.nbytes)
+      if finish is None: self.copyout(memoryview(values).cast("B"))
+    return PendingRead(values, finish)
 
   def as_bytes(self) -> bytearray:
     data = bytearray(self.nbytes)
@@ -301,11 +321,26 @@ class Buffer:
     return data
 
   def numpy(self) -> np.ndarray:
-    """The contents as a numpy array (bfloat16 comes back as its raw uint16 bits)."""
-    np_dtype = np.uint16 if self.dtype == dtypes.bfloat16 else self.dtype.np
-    return np.frombuffer(self.as_bytes(), dtype=np_dtype)
+    """The contents as a new numpy array (bfloat16 comes back as its raw uint16 bits)."""
+    values = np.empty(self.size, np.uint16 if self.dtype == dtypes.bfloat16 else self.dtype.np)
+    self.copyout(memoryview(values).cast("B"))
+    return values
 
   def __repr__(self) -> str: return f"<Buffer {self.device} {self.size} {self.dtype}>"
+
+
+class PendingRead:
+  """A buffer's contents on their way to the host (`Buffer.read_later`): `numpy()` waits for that copy only."""
+
+  def __init__(self, values: np.ndarray, finish: Callable[[memoryview], None] | None):
+    self._values, self._finish = values, finish
+
+  def numpy(self) -> np.ndarray:
+    """The values (bfloat16 as its raw uint16 bits), waiting for the copy the first time."""
+    if self._finish is not None:
+      finish, self._finish = self._finish, None
+      with MEMORY_LOCK: finish(memoryview(self._values).cast("B"))
+    return self._values
 
 
 # ---------------------------------------------------------------- compilers

@@ -280,11 +280,13 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
                      f"read once and frozen into every replay. Return the tensor and read it after the call")
     if self.numel() == 0:
       return np.zeros(self.shape, dtype=np.float32 if self.dtype == dtypes.bfloat16 else self.dtype.np)
-    values = self._buffer().numpy()
+    values = self._buffer().numpy()   # a new array: returned as it is when it holds exactly this tensor
     if self.dtype == dtypes.bfloat16: values = bfloat16_bits_to_float32(values)
-    # a symbolic shape reads as its bound values; the buffer holds room for the largest ones
-    shape = tuple(sym_infer(size, {}) for size in self.shape)
-    return values[:prod(shape)].reshape(shape).copy()
+    # a symbolic shape reads as its bound values; the buffer holds room for the largest ones (then a copy of the
+    # part read, not a view that keeps the whole buffer's array alive)
+    shape = tuple(size if type(size) is int else sym_infer(size, {}) for size in self.shape)
+    count = prod(shape)
+    return values.reshape(shape) if count == values.size else values[:count].reshape(shape).copy()
 
   def item(self) -> Scalar:
     """The single value as a Python bool, int or float; ValueError unless the tensor has exactly one element."""

@@ -78,3 +78,36 @@ def test_device_env_var_selects_the_default(monkeypatch):
   monkeypatch.setenv("DEVICE", "CLANG")
   assert Device.DEFAULT == "CLANG"
   assert Tensor([1.0]).device == "CLANG"
+
+
+@pytest.mark.parametrize("device", AVAILABLE)
+def test_buffer_reads_are_new_arrays_and_read_later_keeps_the_queued_value(device):
+  """`Buffer.numpy` returns a new array each read (writing it changes neither the buffer nor the next read), and
+  `Buffer.read_later` gives the contents as they were when it was called, even when later work (queued before the
+  read is waited for) overwrites the buffer: the copy is ordered before that work."""
+  values = np.arange(6, dtype=np.float32) - 2.5
+  tensor = Tensor(values, device=device).contiguous().realize()
+  buffer = tensor.lazydata.base.realized
+  first = buffer.numpy()
+  first[:] = 99
+  np.testing.assert_array_equal(buffer.numpy(), values)
+  np.testing.assert_array_equal(tensor.numpy(), values)
+  pending = buffer.read_later()
+  tensor.assign(tensor * 10).realize()   # queued after the read: overwrites the same buffer
+  assert tensor.lazydata.base.realized is buffer
+  np.testing.assert_array_equal(pending.numpy(), values)
+  np.testing.assert_array_equal(pending.numpy(), values)   # read twice: the same values
+  np.testing.assert_array_equal(buffer.numpy(), values * 10)
+
+
+@pytest.mark.parametrize("device", AVAILABLE)
+@pytest.mark.parametrize("count", [3, 16384, 16385, 100_000], ids=["tiny", "64KiB", "64KiB+4", "large"])
+def test_copies_in_and_out_on_both_sides_of_the_small_copy_size(device, count):
+  """Copies in and out of up to 64 KiB take CUDA's pageable path (no staging buffer), larger ones the pinned staging
+  buffer: both give the bytes back, also from a read-only source and into a buffer written by a queued kernel."""
+  values = np.random.default_rng(count).standard_normal(count).astype(np.float32)
+  source = values.copy()
+  source.flags.writeable = False   # a read-only host buffer: its address is taken another way
+  tensor = Tensor(source, device=device).realize()
+  np.testing.assert_array_equal(tensor.numpy(), values)
+  np.testing.assert_array_equal((tensor * 2).numpy(), values * 2)   # read right after the kernel was queued

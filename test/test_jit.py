@@ -483,12 +483,12 @@ def test_cuda_graph_patches_cached_params_and_sets_them_once_per_launch(monkeypa
       calls.append(("set", node, params))
       return (success,)
 
-    def cuGraphLaunch(self, graph_exec, stream):
-      calls.append(("launch",))
-      return (success,)
+  class FakeDirectCalls:   # the device's ctypes calls (ops_cuda.DirectCalls): the graph launch
+    def graph_launch(self, graph_exec): calls.append(("launch",))
 
   class FakeDevice:
     stream = "stream"
+    direct = FakeDirectCalls()
     def make_current(self): pass
 
   class FakeProgram:

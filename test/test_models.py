@@ -424,7 +424,34 @@ def test_chat_generate_matches_torch_greedy(stepped: bool, _no_cuda_render_check
     if turn_end == 4: history += second
   assert got == expected
   assert chat.position == len(first) + 3 + 1 + len(second) + 3 and chat.pending == [got[-1]]
-  assert model._greedy_jit.captured is not None   # the steps replayed one capture
+  # greedy replies of a fixed-shape model stream their steps (`Llama.stream_greedy`: one capture, fed back)
+  assert model._resident_jit.captured is not None
+
+
+def test_chat_stream_stops_at_a_stop_token_and_the_next_turn_is_right(_no_cuda_render_check) -> None:
+  """A streamed greedy reply (each step queued before the last one's token is read) that meets a stop token returns
+  without it, one step already computed past it; the next turn (its prompt written over that step's cache slot)
+  gives the greedy tokens of the full forward."""
+  from extra.models.generate import ChatModel
+  weights = _tiny_weights(TINY, seed=17)   # greedy after `first`: 26, 26, 48 (the stop: a token not seen before)
+  model = Llama(TINY, {name: Tensor(value) for name, value in weights.items()}, max_context=24, symbolic=False)
+  first, second = [3, 14, 15, 9, 26], [5, 35]
+  history, reference = list(first), []
+  for _ in range(3):
+    reference.append(int(torch_llama_logits(weights, TINY, history)[-1].argmax()))
+    history.append(reference[-1])
+  chat = ChatModel(model, _NoTokenizer(), {}, stepped_prompt_tokens=0)
+  assert reference[2] not in reference[:2]
+  chat.stop_ids = {reference[2]}
+  assert list(chat.generate(first, Sampler(temperature=0), 6)) == reference[:2]
+  assert chat.position == len(first) + 2 and chat.pending == []
+  got = list(chat.generate(second, Sampler(temperature=0), 2))
+  history = first + reference[:2] + second
+  expected = []
+  for _ in range(2):
+    expected.append(int(torch_llama_logits(weights, TINY, history)[-1].argmax()))
+    history.append(expected[-1])
+  assert got == expected
 
 
 # ---------------------------------------------------------------- sampling and the chat template
@@ -721,6 +748,25 @@ def test_llama_generate_greedy_feeds_back_on_the_device(sequences: int, _no_cuda
   assert [a + b for a, b in zip(first, rest)] == expected
   assert resident._resident_jit.captured is not None
   with pytest.raises(ValueError, match="context"): resident.generate_greedy([1] * sequences, [14] * sequences, 3)
+
+
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_llama_stream_greedy_gives_each_step_as_generate_greedy(sequences: int, _no_cuda_render_check) -> None:
+  """`stream_greedy` (each step's ids read while the next step runs) yields the ids `generate_greedy` returns, one
+  step at a time; a caller that stops early leaves nothing pending, and the next run from the stop starts right."""
+  weights = _tiny_weights(TINY, seed=17)
+  prompts = [[4, 9, 31], [2, 17], [40, 1, 23, 11]][:sequences]
+
+  whole, streamed = _prefilled_tiny_llama(weights, prompts), _prefilled_tiny_llama(weights, prompts)
+  tokens, positions = [prompt[-1] for prompt in prompts], [len(prompt) - 1 for prompt in prompts]
+  expected = whole.generate_greedy(tokens, positions, 5)
+  steps = list(streamed.stream_greedy(tokens, positions, 5))
+  assert [[step[row] for step in steps] for row in range(sequences)] == expected
+  stream = streamed.stream_greedy(tokens, positions, 5)
+  first_two = [next(stream), next(stream)]
+  stream.close()   # stopped after two steps: the third was already queued
+  rest = list(streamed.stream_greedy(first_two[-1], [p + 2 for p in positions], 3))
+  assert [[step[row] for step in first_two + rest] for row in range(sequences)] == expected
 
 
 @pytest.mark.parametrize("symbolic", [True, False], ids=["symbolic", "fixed_shapes"])

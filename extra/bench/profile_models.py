@@ -155,6 +155,7 @@ def decode_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any
 
   def call() -> Any: return model.decode(tokens, positions).numpy()
   for _ in range(3): call()
+  if args.host_breakdown: host_breakdown(model, args)
   if args.timed: time_decode(model, call, args)
   return model._decode_jit, call
 
@@ -174,12 +175,96 @@ def time_decode(model: Llama, call: Callable[[], Any], args: argparse.Namespace)
     return statistics.median(times)
   steps, sequences = args.timed, args.sequences
   logits = median_seconds(lambda: [call() for _ in range(steps)])
+
+  def token_loop() -> list[int]:   # the greedy id read on the host each step and fed to the next (argmax on device)
+    ids = [5] * sequences
+    for step in range(steps): ids = model.decode_greedy(ids, [8 + step] * sequences)
+    return ids
+  token = median_seconds(token_loop)
+  streaming = hasattr(model, "stream_greedy")   # this script run against an older tree's model for an A/B
+  streamed = median_seconds(lambda: list(model.stream_greedy([5] * sequences, [8] * sequences, steps))) \
+    if streaming else float("nan")
+  stream_ids = [step[0] for step in results[-1]] if streaming else []
   fed_back = median_seconds(lambda: model.generate_greedy([5] * sequences, [8] * sequences, steps))
+  agree = stream_ids == results[-1][0] and results[-3][:sequences] == [row[-1] for row in results[-1]]
+  same = "not run" if not streaming else "same" if agree \
+    else f"DIFFERENT: streamed {stream_ids[:8]}, token loop's last {results[-3]}"
   label = f"decode {args.weights}, {sequences} sequence(s), {steps} steps"
   print(f"{label}: {sequences * steps / logits:.1f} tok/s (logits to the host each step), "
+        f"{sequences * steps / token:.1f} tok/s (token to the host each step), "
+        f"{sequences * steps / streamed:.1f} tok/s (token to the host each step, one step ahead), "
         f"{sequences * steps / fed_back:.1f} tok/s (fed back on the device) "
         f"[CUDA_DEPENDENT_LAUNCH={os.environ.get('CUDA_DEPENDENT_LAUNCH', 'default')}]; first greedy ids of "
-        f"sequence 0: {results[-1][0][:8]} (a setting that changes no result keeps them)")
+        f"sequence 0: {results[-1][0][:8]} (a setting that changes no result keeps them); streamed ids: {same}")
+
+
+def host_breakdown(model: Llama, args: argparse.Namespace) -> None:
+  """Where a token-on-the-host decode step's wall time goes (`decode_greedy`, `args.host_breakdown` steps): the
+  host-made inputs and their upload, the TinyJit call (Python and the graph launch), the wait for the device, and
+  the id's copy back, each the median over steps; then the driver's own costs on an idle GPU, and the Python
+  functions of the loop by own time (cProfile, which slows Python: compare the rows, not the totals)."""
+  import cProfile
+  import pstats
+  device = Device[args.device]
+  sequences, steps = args.sequences, args.host_breakdown
+  phases: dict[str, list[float]] = defaultdict(list)
+  ids = [5] * sequences
+  for step in range(steps):
+    t0 = time.perf_counter()
+    inputs = model._step_inputs(ids, [8 + step % 64] * sequences)
+    t1 = time.perf_counter()
+    result = model._greedy_jit(*inputs)
+    t2 = time.perf_counter()
+    device.synchronize()
+    t3 = time.perf_counter()
+    ids = [int(value) for value in result.numpy()]
+    t4 = time.perf_counter()
+    for name, seconds in (("inputs+upload", t1 - t0), ("jit call", t2 - t1), ("wait", t3 - t2),
+                          ("read id", t4 - t3), ("step", t4 - t0)):
+      phases[name].append(seconds)
+  print(f"host breakdown, decode_greedy, {steps} steps (median us): " +
+        ", ".join(f"{name} {statistics.median(values) * 1e6:.1f}" for name, values in phases.items()))
+
+  def per_call(run: Callable[[], Any], n: int = 200) -> float:
+    started = time.perf_counter()
+    for _ in range(n): run()
+    return (time.perf_counter() - started) / n * 1e6
+  buffer = model._step_buffer.lazydata.realized if model._step_buffer is not None else None
+  host = np.zeros((sequences, 2), np.int32)
+  jit = model._greedy_jit
+  assert jit.captured is not None
+  graph = getattr(jit.captured.replay_runner, "graph", None)
+  timings = {"synchronize (idle)": per_call(device.synchronize),
+             "step upload (copyin)": per_call(lambda: buffer.copyin(memoryview(host).cast("B"))) if buffer else 0.0,
+             "_step_inputs": per_call(lambda: model._step_inputs(ids, [8] * sequences)),
+             "id read (numpy)": per_call(lambda: result.numpy()),
+             "graph launch+sync": per_call(lambda: (graph.launch(), device.synchronize())) if graph else 0.0,
+             "jit call+sync": per_call(lambda: (jit(*inputs), device.synchronize()))}
+  if graph is not None:
+    device.synchronize()
+    started = time.perf_counter()
+    for _ in range(20): graph.launch()
+    timings["graph launch (host, queued)"] = (time.perf_counter() - started) / 20 * 1e6
+    device.synchronize()
+  tiny = TinyJit(lambda x: (x + 1).sum())   # the floor of any jitted step's round trip: one small kernel
+  scalar = Tensor(np.ones(4, np.float32), device=args.device).realize()
+  for _ in range(3): tiny(scalar).numpy()
+  timings["tiny jit call+numpy"] = per_call(lambda: tiny(scalar).numpy())
+  timings["tiny jit call+sync"] = per_call(lambda: (tiny(scalar), device.synchronize()))
+  if args.device == "CUDA":   # the binding's own cost: the same idle-stream wait through ctypes
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    stream = ctypes.c_void_p(int(getattr(device, "stream")))
+    timings["synchronize (idle, ctypes)"] = per_call(lambda: libcuda.cuStreamSynchronize(stream))
+  print("driver/host costs (us per call): " + ", ".join(f"{name} {value:.1f}" for name, value in timings.items()))
+  profiler = cProfile.Profile()
+  profiler.enable()
+  for step in range(steps): ids = model.decode_greedy(ids, [8 + step % 64] * sequences)
+  profiler.disable()
+  stats = pstats.Stats(profiler)
+  rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:args.top]   # type: ignore[attr-defined]
+  print(f"top functions by own time over {steps} steps (us per step, calls per step):")
+  for (file, line, name), (_, calls, own, _, _) in rows:
+    print(f"  {own / steps * 1e6:8.1f} {calls / steps:6.1f}  {pathlib.Path(file).name}:{line}({name})")
 
 
 def minilm_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any]]:
@@ -217,6 +302,9 @@ def main() -> None:
   parser.add_argument("--no-table", action="store_true", help="only the profiled replay (under ncu)")
   parser.add_argument("--timed", type=int, default=0, help="decode: also the tokens/s of this many steps, logits read "
                       "each step and fed back on the device (bench_models.py's rows, without PyTorch)")
+  parser.add_argument("--host-breakdown", type=int, default=0, help="decode: where this many token-on-the-host "
+                      "steps spend their wall time (phases, driver costs, cProfile)")
+  parser.add_argument("--top", type=int, default=25, help="functions listed by --host-breakdown")
   args = parser.parse_args()
   args.device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = args.device  # the models' own tensors (BertEncoder's layers) go to this device

@@ -123,15 +123,33 @@ class ChatModel:
       logits = self.model(np.array([prompt_ids], np.int32), self.position, jit=self.jit)
       self.position += len(prompt_ids)
       token = sampler(logits.numpy())
-    for produced in range(max_tokens):
-      if token in self.stop_ids: return
-      self.generated += 1
-      yield token
-      if produced == max_tokens - 1:
-        self.pending = [token]  # no forward pass for a token whose successor nobody asked for
-        return
-      token = self._step(token, sampler)
-      assert token is not None
+    streamed = self._streamed_greedy(token, max_tokens - 1) if self._streams(sampler) else None
+    try:
+      for produced in range(max_tokens):
+        if token in self.stop_ids: return
+        self.generated += 1
+        yield token
+        if produced == max_tokens - 1:
+          self.pending = [token]  # no forward pass for a token whose successor nobody asked for
+          return
+        next_token = next(streamed) if streamed is not None else self._step(token, sampler)
+        assert next_token is not None
+        token = next_token
+    finally:
+      if streamed is not None: streamed.close()   # its step queued ahead is read back (pinned slots returned)
+
+  def _streams(self, sampler: Sampler) -> bool:
+    """Whether greedy steps run through `Llama.stream_greedy` (fixed shapes, jitted, one conversation): each step's
+    token is fed back on the device and read while the next step runs."""
+    return sampler.temperature == 0 and self.jit and not self.model.symbolic and self.model.sequences == 1
+
+  def _streamed_greedy(self, token: int, steps: int) -> Iterator[int]:
+    """The greedy tokens after `token`, one per step fed at the conversation's position (advanced as each is
+    taken); a stop leaves one step computed past it, which the next turn's first write replaces."""
+    if steps < 1: return
+    for ids in self.model.stream_greedy(token, self.position, steps):
+      self.position += 1
+      yield ids[0]
 
   def _step(self, token: int, sampler: Sampler, pick: bool = True) -> int | None:
     """Feed `token` at the conversation's position through a decode step; the next token sampled from its logits

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from ourgrad import Tensor, TinyJit, dtypes
-from ourgrad.device import Device
+from ourgrad.device import Device, PendingRead
 from ourgrad.helpers import INTEGER_PRODUCTS
 from ourgrad.errors import ShapeError
 from ourgrad.nn.gguf import INTEGER_PRODUCT_TYPES, PackedTensor, gguf_load
@@ -410,6 +411,8 @@ class Llama:
     self._resident_jit = TinyJit(self._resident_graph)   # greedy steps fed back on the device (`generate_greedy`)
     self._resident: dict[str, Tensor] | None = None   # its state buffers, made on first use
     self._step_buffer: Tensor | None = None   # the decode step's host-made input (`_step_inputs`)
+    self._step_host = np.zeros((sequences, 2), np.int32)   # its host side: each sequence's token and position
+    self._step_bytes = memoryview(self._step_host).cast("B")   # the same memory as copyin takes it
     self._prefill_jits = ShapeJits(self._prefill_graph, PREFILL_CAPTURES)  # keyed by prefill_shape
 
   @staticmethod
@@ -572,11 +575,39 @@ class Llama:
     only): each one's argmax is the next one's token without a round trip through the host (`_resident_graph`, a
     TinyJit of no inputs), the host launches them without waiting, and the ids are read back once at the end.
     Stop tokens are not looked for: a caller that needs them asks for a few steps at a time."""
-    if self.symbolic: raise ValueError("generate_greedy runs fixed-shape steps: construct the model symbolic=False")
+    positions = self._start_resident("generate_greedy", token, position, steps)
+    for _ in range(steps): self._resident_jit()
+    assert self._resident is not None
+    history = self._resident["history"].numpy()
+    return [history[row, p + 1:p + 1 + steps].tolist() for row, p in enumerate(positions)]
+
+  def stream_greedy(self, token: int | Sequence[int], position: int | Sequence[int],
+                    steps: int) -> Iterator[list[int]]:
+    """`generate_greedy`'s steps, each step's ids (one per sequence) given to the caller as it finishes, so that a
+    caller can print them or stop at an end token. The host stays one step ahead: step N+1 is queued (its token fed
+    back on the device) before step N's ids are read, and the read waits for step N's small copy alone
+    (`Buffer.read_later`), so the device never waits for the host's round trip. A caller that stops after step N
+    leaves step N+1 computed: its cache write lands past the caller's last position, where a later prompt's write
+    replaces it and no step reads it before."""
+    self._start_resident("stream_greedy", token, position, steps)
+    pending: deque[PendingRead] = deque()
+    try:
+      for _ in range(steps):
+        pending.append(self._resident_jit()._buffer().read_later())
+        if len(pending) > 1: yield pending.popleft().numpy().tolist()
+      while pending: yield pending.popleft().numpy().tolist()
+    finally:
+      while pending: pending.popleft().numpy()   # a caller that stopped early: its pinned copy slots go back
+
+  def _start_resident(self, caller: str, token: int | Sequence[int], position: int | Sequence[int],
+                      steps: int) -> list[int]:
+    """Check a fed-back run's arguments and load its tokens and positions into the resident state (made on first
+    use); returns the positions."""
+    if self.symbolic: raise ValueError(f"{caller} runs fixed-shape steps: construct the model symbolic=False")
     tokens = [token] if isinstance(token, int) else [int(t) for t in token]
     positions = [position] if isinstance(position, int) else [int(p) for p in position]
     if len(tokens) != self.sequences or len(positions) != self.sequences:
-      raise ShapeError(f"generate_greedy takes a token and a position for each of the model's {self.sequences} "
+      raise ShapeError(f"{caller} takes a token and a position for each of the model's {self.sequences} "
                        f"sequences, got {len(tokens)} tokens and {len(positions)} positions")
     if steps < 1 or not all(0 <= p and p + steps <= self.max_context for p in positions):
       raise ValueError(f"{steps} steps from positions {positions} exceed the context of {self.max_context} tokens")
@@ -588,9 +619,7 @@ class Llama:
     state = self._resident
     state["tokens"].assign(Tensor([[t] for t in tokens], dtype=dtypes.int32, device=self.device)).realize()
     state["positions"].assign(Tensor(positions, dtype=dtypes.int32, device=self.device)).realize()
-    for _ in range(steps): self._resident_jit()
-    history = state["history"].numpy()
-    return [history[row, p + 1:p + 1 + steps].tolist() for row, p in enumerate(positions)]
+    return positions
 
   def decode_greedy(self, token: int | Sequence[int], position: int | Sequence[int], jit: bool = True) -> list[int]:
     """The greedy next token of each sequence after feeding `token` at `position` (as `decode`, whose logits'
@@ -598,7 +627,7 @@ class Llama:
     step = self._greedy_jit if jit else self._greedy_graph
     ids = step(*self._step_inputs(token, position))
     if not jit: Tensor.realize_all(ids, *(block.cache for block in self.blocks))
-    return [int(value) for value in ids.numpy()]
+    return ids.numpy().tolist()
 
   def decode(self, token: int | Sequence[int], position: int | Sequence[int], jit: bool = True) -> Tensor:
     """The logits (S, vocab) after feeding one `token` at `position` to each of the S = `sequences` sequences (ints
@@ -627,18 +656,18 @@ class Llama:
     if self.symbolic and len(set(positions)) > 1:
       raise ValueError(f"a symbolic decode attends to one length for all sequences, got positions {positions}: "
                        "construct the model with symbolic=False for sequences at different positions")
-    host = np.array([tokens, positions], np.int32).T   # (S, 2): each sequence's token and position
+    self._step_host[:, 0], self._step_host[:, 1] = tokens, positions
     bound = self.position.bind(positions[0]) if self.symbolic else None
-    return self._upload_step(host), bound
+    return self._upload_step(), bound
 
-  def _upload_step(self, host: np.ndarray) -> Tensor:
-    """The step's host-made input, copied into the same device buffer at every step: a captured step's CUDA graph
-    then keeps its kernels' arguments (a new buffer would make the replay patch every kernel node that reads it,
-    one driver call each)."""
+  def _upload_step(self) -> Tensor:
+    """The step's host-made input (`_step_host`), copied into the same device buffer at every step: a captured
+    step's CUDA graph then keeps its kernels' arguments (a new buffer would make the replay patch every kernel node
+    that reads it, one driver call each)."""
     if self._step_buffer is None:
-      self._step_buffer = Tensor(host, device=self.device).contiguous().realize()
+      self._step_buffer = Tensor(self._step_host.copy(), device=self.device).contiguous().realize()
       return self._step_buffer
     buffer = self._step_buffer.lazydata.realized
     assert buffer is not None
-    buffer.copyin(memoryview(np.ascontiguousarray(host)).cast("B"))
+    buffer.copyin(self._step_bytes)
     return self._step_buffer

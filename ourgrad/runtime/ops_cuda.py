@@ -3,7 +3,10 @@
 Kernels are compiled for the GPU's own architecture (sm_XX from its compute capability) straight to CUBIN, so
 the driver loads machine code and never has to JIT PTX from a newer NVRTC. Memory comes from plain cuMemAlloc;
 launches are asynchronous on one stream, and the host waits only when it needs data (copyout) or a timing.
-Host<->device copies go through a pinned staging buffer. Every driver call is checked: an error names the call.
+Host<->device copies go through a pinned staging buffer; copies of at most 64 KiB go straight from and to the
+caller's pageable memory (in: without waiting for the stream; out: one call that waits for the stream and copies).
+The calls of a replayed step's host path (small copies, graph launch, stream wait) go through ctypes (DirectCalls).
+Every driver call is checked: an error names the call.
 `pip install 'ourgrad[cuda]'` brings cuda-python and NVRTC; a driver must be installed.
 """
 from __future__ import annotations
@@ -36,6 +39,10 @@ CUDA_SUCCESS = driver.CUresult.CUDA_SUCCESS
 LAUNCH_SECONDS = 1.5e-6
 # a load waits ~0.6 us for HBM under load (H100/H200); times the bandwidth: the renderer's latency_bytes
 MEMORY_LATENCY_SECONDS = 0.6e-6
+# host-to-device copies up to this size go from pageable memory without waiting for the stream (CUDA's documented
+# behaviour for async copies from pageable memory: the bytes are staged by the driver before the call returns);
+# larger ones go through the pinned staging buffer, at full bandwidth
+SMALL_COPY_BYTES = 64 << 10
 
 
 def pointer_arguments(values: list[int]) -> tuple[Any, Any]:
@@ -68,6 +75,8 @@ class CUDAAllocator(LRUAllocator):
     self.device = device
     self.staging, self.staging_size = None, 0
     self.memory_bytes: int | None = None   # the device's, asked once (device_memory_bytes)
+    self.read_slots: dict[int, list[Any]] = {}   # copyout_later's free pinned slots by size
+    self.read_events: list[Any] = []   # and its free events
 
   def _alloc(self, nbytes: int) -> Any:
     self.device.make_current()
@@ -90,13 +99,44 @@ class CUDAAllocator(LRUAllocator):
       self.staging = check(driver.cuMemHostAlloc(self.staging_size, 0), "cuMemHostAlloc")
     return self.staging
 
+  copyout_waits = True   # copyout queues its copy behind the stream's work and waits for it
+
   def copyin(self, dest: Any, src: memoryview) -> None:
+    if src.nbytes <= SMALL_COPY_BYTES:
+      # straight from the caller's (pageable) memory: the driver takes the bytes into its own staging before it
+      # returns and orders the copy on the stream, so the host does not wait for the work queued before it (a
+      # jitted step's per-call inputs upload while the previous step still runs)
+      self.device.direct.copy_in(int(dest), _host_address(src), src.nbytes)
+      return
     staging = self._staging(src.nbytes)
     self.device.synchronize()  # the staging buffer may still feed an earlier copy
     ctypes.memmove(staging, _host_address(src), src.nbytes)
     check(driver.cuMemcpyHtoDAsync(dest, staging, src.nbytes, self.device.stream), "cuMemcpyHtoDAsync")
 
+  def copyout_later(self, src: Any, nbytes: int) -> Callable[[memoryview], None]:
+    """The copy into a pinned slot of its own (reused once read) and an event behind it: the reader waits for the
+    event, not for the stream, so kernels queued after the copy keep running (Buffer.read_later)."""
+    size = max(256, 1 << (nbytes - 1).bit_length())   # slots by power-of-two size, so a few serve every read
+    free = self.read_slots.setdefault(size, [])
+    slot = free.pop() if free else check(driver.cuMemHostAlloc(size, 0), "cuMemHostAlloc")
+    event = self.read_events.pop() if self.read_events else check(
+      driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+    check(driver.cuMemcpyDtoHAsync(slot, src, nbytes, self.device.stream), "cuMemcpyDtoHAsync")
+    check(driver.cuEventRecord(event, self.device.stream), "cuEventRecord")
+
+    def finish(dest: memoryview) -> None:
+      check(driver.cuEventSynchronize(event), "cuEventSynchronize")
+      ctypes.memmove(_host_address(dest), slot, nbytes)
+      free.append(slot)
+      self.read_events.append(event)
+    return finish
+
   def copyout(self, dest: memoryview, src: Any) -> None:
+    if dest.nbytes <= SMALL_COPY_BYTES:
+      # into the caller's (pageable) memory: such a copy returns once it is done, after the stream's earlier work, so
+      # one driver call is the wait and the copy (no staging buffer, no second copy on the host)
+      self.device.direct.copy_out(_host_address(dest), int(src), dest.nbytes)
+      return
     staging = self._staging(dest.nbytes)
     check(driver.cuMemcpyDtoHAsync(staging, src, dest.nbytes, self.device.stream), "cuMemcpyDtoHAsync")
     self.device.synchronize()
@@ -105,8 +145,50 @@ class CUDAAllocator(LRUAllocator):
 
 def _host_address(view: memoryview) -> int:
   """The address of a contiguous host buffer. Not through `(ctypes.c_char * nbytes).from_buffer`: that makes an
-  array class per size, and a dropped class is cyclic garbage (an eager step's uploads left some each step)."""
+  array class per size, and a dropped class is cyclic garbage (an eager step's uploads left some each step). A
+  writable buffer's first byte as one c_char (no class made) costs a quarter of numpy's `.ctypes.data`."""
+  if not view.readonly and view.nbytes: return ctypes.addressof(ctypes.c_char.from_buffer(view))
   return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+
+class DirectCalls:
+  """The driver calls of a replayed step's host path (a small copy in, the graph launch, the wait, a small copy out)
+  made through ctypes on the driver library: cuda-python's wrappers cost ~2 us a call on the H200's host (argument
+  objects, a result enum built per call; an idle-stream wait 2.0 us against 1.2 through ctypes), which a token-on-the-
+  host decode step pays several times. A failure is raised as `check` raises it, naming the call."""
+
+  def __init__(self, stream: int):
+    library = ctypes.CDLL("libcuda.so.1")
+    pointer, size = ctypes.c_void_p, ctypes.c_size_t
+    self.stream = pointer(stream)
+    self._htod = self._function(library.cuMemcpyHtoDAsync_v2, [ctypes.c_uint64, pointer, size, pointer])
+    self._dtoh = self._function(library.cuMemcpyDtoHAsync_v2, [pointer, ctypes.c_uint64, size, pointer])
+    self._sync = self._function(library.cuStreamSynchronize, [pointer])
+    self._graph_launch = self._function(library.cuGraphLaunch, [pointer, pointer])
+
+  @staticmethod
+  def _function(function: Any, argtypes: list[Any]) -> Any:
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
+
+  @staticmethod
+  def _raise(status: int, call: str) -> None: check((driver.CUresult(status),), call)
+
+  def copy_in(self, dest: int, src: int, nbytes: int) -> None:
+    status = self._htod(dest, src, nbytes, self.stream)
+    if status: self._raise(status, "cuMemcpyHtoDAsync")
+
+  def copy_out(self, dest: int, src: int, nbytes: int) -> None:
+    status = self._dtoh(dest, src, nbytes, self.stream)
+    if status: self._raise(status, "cuMemcpyDtoHAsync")
+
+  def synchronize(self) -> None:
+    status = self._sync(self.stream)
+    if status: self._raise(status, "cuStreamSynchronize")
+
+  def graph_launch(self, graph_exec: Any) -> None:
+    status = self._graph_launch(int(graph_exec), self.stream)
+    if status: self._raise(status, "cuGraphLaunch")
 
 
 # NVRTC's --minimal (12.4 and newer) leaves out of its builtin header what generated kernels never use: textures
@@ -504,7 +586,7 @@ class CUDAGraph:
         check(driver.cuGraphExecKernelNodeSetParams(self.graph_exec, self.nodes[index], self.node_params[index]),
               "cuGraphExecKernelNodeSetParams")
       self.changed.clear()
-    check(driver.cuGraphLaunch(self.graph_exec, self.device.stream), "cuGraphLaunch")
+    self.device.direct.graph_launch(self.graph_exec)
 
   def __del__(self) -> None:
     try:
@@ -528,6 +610,7 @@ class CUDADevice(Compiled):
     self.arch = f"sm_{major}{minor}"
     facts = self._gpu_facts()
     self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
+    self.direct = DirectCalls(int(self.stream))
     self.start_event = check(driver.cuEventCreate(0), "cuEventCreate")
     self.end_event = check(driver.cuEventCreate(0), "cuEventCreate")
     renderer = CUDARenderer(self.arch)
@@ -576,7 +659,7 @@ class CUDADevice(Compiled):
     """The address of the stream kernels run on (a cudaStream_t for NCCL, which must queue behind them)."""
     return int(self.stream)
 
-  def synchronize(self) -> None: check(driver.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+  def synchronize(self) -> None: self.direct.synchronize()
 
 
 def create_device(name: str) -> Compiled: return CUDADevice(name)
