@@ -67,7 +67,12 @@ class Function:
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
     ctx = _new_function(cls)
-    _record_inputs(ctx, tensors[0]._lazydata.device, tensors)   # (Tensor.device without the property call)
+    # _record_inputs written out (one frame less for every op built)
+    ctx.device = tensors[0]._lazydata.device   # (Tensor.device without the property call)
+    ctx.needs_input_grad = needs = list(map(_requires_grad_of, tensors))
+    ctx.requires_grad = True if True in needs else None if None in needs else False
+    if ctx.requires_grad:
+      ctx.parents, ctx.parent_ctxs, ctx.versions_seen = tensors, tuple(map(_ctx_of, tensors)), Storage.versions_made
     output = ctx.forward(*map(_lazydata_of, tensors), **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch; under no_grad() nothing
     # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
@@ -226,6 +231,16 @@ class Log(Function):
     return _log(x)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _div(grad_output, self.x)
+
+
+class Log2(Function):
+  """log2(x): one LOG2 (log(x) / ln 2 would scale by ln 2 and back, rounding twice)."""
+
+  def forward(self, x: LazyBuffer) -> LazyBuffer:
+    self.x = x
+    return _widen(x).elementwise(Ops.LOG2).cast(x.dtype)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _scale(_div(grad_output, self.x), 1 / math.log(2))
 
 
 class Exp(Function):

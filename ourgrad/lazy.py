@@ -27,7 +27,7 @@ from ourgrad import lazy_trace
 from ourgrad.lazy_reduce import build_reduce, reduce_plan
 from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
-from ourgrad.shape.shapetracker import ShapeTracker, _identity_tracker
+from ourgrad.shape.shapetracker import IDENTITY_TRACKERS, ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
 from ourgrad.shape.view import View, strides_for_shape
 
@@ -37,6 +37,7 @@ _READERS_LOCK = threading.Lock()
 # class (`Ops.CONST`) goes through EnumType's __getattr__ hook, ~0.2 us a read, and every op built read several
 _CONST, _NEG, _ADD, _MUL, _RECIP = Ops.CONST, Ops.NEG, Ops.ADD, Ops.MUL, Ops.RECIP
 _CAST, _BITCAST, _SUM = Ops.CAST, Ops.BITCAST, Ops.SUM
+_PLAIN_SCALARS = (bool, int, float)   # constant values compared directly (a symbolic one goes to _fold_constants)
 
 # the value a reduce starts from, and what reducing an empty axis gives
 REDUCE_IDENTITY = {Ops.SUM: 0, Ops.MAX_REDUCE: -math.inf}
@@ -104,8 +105,9 @@ class LazyBuffer:
     """A new base computing `op` (with `arg`) over `srcs`, of `shape` and `dtype`: the node every op builds."""
     # every op built runs this: its slots set here, in one frame (no __init__, no helpers)
     base = _new_lazy_buffer(LazyBuffer)
-    # (ShapeTracker.from_shape's interned tracker without its call where the shape is a tuple)
-    st = _identity_tracker(shape) if type(shape) is tuple else ShapeTracker.from_shape(shape)
+    # (ShapeTracker.from_shape's interned tracker, read without a call where it is made already)
+    st = IDENTITY_TRACKERS.get(shape) if type(shape) is tuple else None
+    if st is None: st = ShapeTracker.from_shape(shape)
     base.device, base.st, base.dtype = device, st, dtype
     base.shape = st.views[-1].shape   # (ShapeTracker.shape without the property call)
     # a constant (LazyBuffer.full: Tensor.zeros, a folded `x * 0`) is a broadcast scalar, not memory: the storage a
@@ -116,8 +118,9 @@ class LazyBuffer:
     base.realized = None          # set when the scheduler gives this base a buffer
     base.forced_realize = False   # realize even if it could be fused (contiguous(), realize())
     # weak references to the bases that read this one: an in-place write to this base's buffer finds the lazy readers
-    # that must still see the old contents (engine/snapshot.py); created on the first reader
-    base._readers = None
+    # that must still see the old contents (engine/snapshot.py). Made here, so that noting a reader is one append
+    # without a lock (see _prune_readers)
+    base._readers = []
     base._readers_pruned_at = 0
     # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding this
     # base or a view of it read its newest version (`current`), computed readers keep this one
@@ -125,17 +128,15 @@ class LazyBuffer:
     base._trace_index = -1   # its position in the creation trace (lazy_trace.py), -1: not traced
     if not srcs: return base
     # the readers of the sources and the creation trace, written out here rather than in the helpers (_add_reader_to_
-    # sources, lazy_trace.record): every op built runs this, and each call of a helper costs more than its work
+    # sources, lazy_trace.record): every op built runs this, and each call of a helper costs more than its work. No
+    # lock (an uncontended lock cost more than the rest of this): see _prune_readers
     reference = weakref.ref(base)
-    with _READERS_LOCK:  # two threads may build readers of one base (a weight) at once
-      for src in srcs:
-        source = src if src._base is None else src._base
-        if source.op is _CONST: continue   # (never written in place: see _add_reader_to_sources)
-        readers = source._readers
-        if readers is None: source._readers = [reference]
-        else:
-          readers.append(reference)
-          if len(readers) > 2 * source._readers_pruned_at + 16: _prune_readers(source)
+    for src in srcs:
+      source = src if src._base is None else src._base
+      if source.op is _CONST: continue   # (never written in place: see _add_reader_to_sources)
+      readers = source._readers
+      readers.append(reference)
+      if len(readers) > 2 * source._readers_pruned_at + 16: _prune_readers(source)
     trace = _TRACE[0]
     if trace is not None and not trace.tainted and (position := len(trace.bases)) < lazy_trace.MAX_TRACED:
       base._trace_index = position   # (record's common case: a trace open and not full)
@@ -253,7 +254,7 @@ class LazyBuffer:
   def live_readers(self) -> Iterator[LazyBuffer]:
     """The bases built from this one that are still alive (each at most once)."""
     seen: set[int] = set()
-    for ref in self._readers or ():
+    for ref in tuple(self._readers or ()):   # (a copy: another thread may prune it in place meanwhile)
       reader = ref()
       if reader is not None and id(reader) not in seen:
         seen.add(id(reader))
@@ -314,12 +315,16 @@ class LazyBuffer:
       # -x as x * -1: a pad pushed through NEG would give -(0) = -0.0 in the padding, where a padded constant -1
       # gives 0 * 0 = +0.0 as PyTorch pads (and -(+0.0) is still -0.0 inside)
       return self.elementwise(_MUL, self.operand_like(-1, self.dtype))
-    # most ops read no constant at all: nothing to fold, without a _fold_constants call
+    # only constants fold, and with a non-constant operand only in x + 0, x * 1 and an integer x * 0
+    # (_fold_constants): most ops (x * y, x + 1.5, max(x, 0)) build their base without a _fold_constants call
+    constants, value = 0, None
     for src in srcs:
-      if (src if src._base is None else src._base).op is _CONST:
-        folded = self._fold_constants(op, srcs, out_dtype)
-        if folded is not None: return folded
-        break
+      source = src if src._base is None else src._base
+      if source.op is _CONST: constants, value = constants + 1, source.arg
+    if constants and (constants == len(srcs) or ((op is _ADD or op is _MUL) and
+                                                 (type(value) not in _PLAIN_SCALARS or value == 0 or value == 1))):
+      folded = self._fold_constants(op, srcs, out_dtype)
+      if folded is not None: return folded
     return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)
 
   def _fold_constants(self, op: Ops, srcs: tuple[LazyBuffer, ...], out_dtype: DType) -> LazyBuffer | None:
@@ -623,27 +628,34 @@ _TRACE = lazy_trace._trace   # (the one-item list holding the open trace: read a
 
 
 def _add_reader_to_sources(reader: LazyBuffer, srcs: Sequence[LazyBuffer]) -> None:
-  """Note `reader` (one weak reference, shared) among the readers of each source's base. One function for every
-  source of a new base, under one lock: it runs for every op built."""
+  """Note `reader` (one weak reference, shared) among the readers of each source's base (create_base writes the same
+  out for the bases it makes)."""
   reference = weakref.ref(reader)
-  with _READERS_LOCK:  # two threads may build readers of one base (a weight) at once
-    for src in srcs:
-      base = src if src._base is None else src._base   # (.base, without the property call)
-      # a constant is never written in place (a write to one makes a new base: `_write_constant`), so no reader of it
-      # needs protecting; and a shared constant (`operand_constant`) would collect every step's readers
-      if base.op is _CONST: continue
-      readers = base._readers
-      if readers is None: readers = base._readers = []
-      readers.append(reference)
-      if len(readers) > 2 * base._readers_pruned_at + 16: _prune_readers(base)
+  for src in srcs:
+    base = src if src._base is None else src._base   # (.base, without the property call)
+    # a constant is never written in place (a write to one makes a new base: `_write_constant`), so no reader of it
+    # needs protecting; and a shared constant (`operand_constant`) would collect every step's readers
+    if base.op is _CONST: continue
+    base._readers.append(reference)
+    if len(base._readers) > 2 * base._readers_pruned_at + 16: _prune_readers(base)
 
 
 def _prune_readers(base: LazyBuffer) -> None:
-  """Drop the dead references among `base`'s readers (under _READERS_LOCK). A long-lived base (a weight) gets new
-  readers every step: pruned whenever the list doubled since the last pruning, it stays proportional to the live
-  readers (amortized O(1) per reader)."""
-  base._readers = [ref for ref in base._readers if ref() is not None]
-  base._readers_pruned_at = len(base._readers)
+  """Drop the dead references among `base`'s readers. A long-lived base (a weight) gets new readers every step:
+  pruned whenever the list doubled since the last pruning, it stays proportional to the live readers (amortized O(1)
+  per reader).
+
+  Readers are noted without a lock (every op built notes its sources'), though two threads may build readers of one
+  base (a weight) at once: a base's list is made with it and never replaced, and an append is atomic, so no reader is
+  lost. Pruning takes _READERS_LOCK (one prune at a time) and rewrites only the entries it read, in one slice
+  assignment, which keeps those appended meanwhile; live_readers iterates over a copy."""
+  with _READERS_LOCK:
+    readers = base._readers
+    count = len(readers)
+    if count <= 2 * base._readers_pruned_at + 16: return   # (another thread pruned it just now)
+    alive = [ref for ref in readers[:count] if ref() is not None]
+    readers[:count] = alive   # (one step: references appended after the first `count` stay)
+    base._readers_pruned_at = len(alive)
 
 
 class Storage:

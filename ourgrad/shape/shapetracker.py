@@ -437,8 +437,19 @@ def _substitute_view(view: View, mapping: dict[Variable, Node]) -> View:
                      sub(view.offset), mask)
 
 
-@functools.lru_cache(maxsize=1 << 14)
-def _identity_tracker(shape: tuple[sint, ...]) -> ShapeTracker: return ShapeTracker((View.create(shape),))
+# shape -> the identity tracker of that shape, one instance per shape: every new lazy base asks (LazyBuffer.create_base
+# reads the dict itself). A plain dict read costs a fraction of an lru_cache call; bounded by clearing when full
+IDENTITY_TRACKERS: dict[tuple[sint, ...], ShapeTracker] = {}
+_IDENTITY_TRACKERS_MAX = 1 << 14
+
+
+def _identity_tracker(shape: tuple[sint, ...]) -> ShapeTracker:
+  tracker = IDENTITY_TRACKERS.get(shape)
+  if tracker is None:
+    tracker = ShapeTracker((View.create(shape),))
+    if len(IDENTITY_TRACKERS) >= _IDENTITY_TRACKERS_MAX: IDENTITY_TRACKERS.clear()
+    IDENTITY_TRACKERS[shape] = tracker
+  return tracker
 
 
 _reshape_tracker = functools.lru_cache(maxsize=1 << 14)(ShapeTracker._reshape)
