@@ -184,10 +184,8 @@ class LazyBuffer:
   @staticmethod
   def full(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
     """A constant: one scalar CONST base viewed (reshape + expand) as `shape`; no memory is used."""
-    const_base = LazyBuffer.create_base(device, (), dtype, Ops.CONST, _truncated(dtype, value))
-    # the memory a tensor holding it stands for: written on first write (Storage.of_constant). One view, made from
-    # the remembered tracker of the shape (what reshape + expand would make, without the buffer in between)
-    return Storage.of_constant(const_base.view(_broadcast_scalar(shape)))
+    # the memory a tensor holding it stands for: written on first write (Storage.of_constant)
+    return Storage.of_constant(_constant(value, shape, dtype, device))
 
   @staticmethod
   def operand_constant(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
@@ -201,10 +199,9 @@ class LazyBuffer:
       key = (value, sign, kind, dtype, device, shape)
       shared = _OPERAND_CONSTANTS.get(key)
     except TypeError:   # a symbolic value or size: not shared
-      return LazyBuffer.full(value, shape, dtype, device)
+      return _constant(value, shape, dtype, device)
     if shared is not None: return shared
-    shared = LazyBuffer.full(value, shape, dtype, device)
-    shared._const = None   # (not a tensor's storage: see above)
+    shared = _constant(value, shape, dtype, device)
     # one element (or none): a contiguous view, which `contiguous()` would answer by marking the shared base; NaN:
     # never equal to its key
     if shared.st.contiguous or value != value: return shared
@@ -316,13 +313,13 @@ class LazyBuffer:
       # gives 0 * 0 = +0.0 as PyTorch pads (and -(+0.0) is still -0.0 inside)
       return self.elementwise(_MUL, self.operand_like(-1, self.dtype))
     # only constants fold, and with a non-constant operand only in x + 0, x * 1 and an integer x * 0
-    # (_fold_constants): most ops (x * y, x + 1.5, max(x, 0)) build their base without a _fold_constants call
+    # (_fold_constants): most ops (x * y, x + 1, max(x, 0)) build their base without a _fold_constants call
     constants, value = 0, None
     for src in srcs:
       source = src if src._base is None else src._base
       if source.op is _CONST: constants, value = constants + 1, source.arg
-    if constants and (constants == len(srcs) or ((op is _ADD or op is _MUL) and
-                                                 (type(value) not in _PLAIN_SCALARS or value == 0 or value == 1))):
+    if constants and (constants == len(srcs) or ((op is _ADD or op is _MUL) and (
+        type(value) not in _PLAIN_SCALARS or value == 0 or (op is _MUL and value == 1)))):
       folded = self._fold_constants(op, srcs, out_dtype)
       if folded is not None: return folded
     return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)
@@ -732,6 +729,12 @@ def _fit_last(lazy: LazyBuffer, length: int, current: int) -> LazyBuffer:
   if current < length: return lazy.pad(((0, 0),) * (len(lazy.shape) - 1) + ((0, length - current),))
   if current > length: return lazy.shrink(tuple((0, size) for size in lazy.shape[:-1]) + ((0, length),))
   return lazy
+
+
+def _constant(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
+  """`value` in `dtype` as one scalar CONST base viewed as `shape` (no memory is used): one view, made from the
+  remembered tracker of the shape (what reshape + expand would make, without the buffer in between)."""
+  return LazyBuffer.create_base(device, (), dtype, _CONST, _truncated(dtype, value)).view(_broadcast_scalar(shape))
 
 
 @functools.lru_cache(maxsize=1 << 12)

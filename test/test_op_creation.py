@@ -234,3 +234,19 @@ def test_identity_and_moved_trackers_are_interned() -> None:
   assert fresh is not st and fresh.reshape((5, 3)) == st.reshape((5, 3))
   with pytest.raises(Exception, match="cannot reshape"): st.reshape((4, 4))
   np.testing.assert_array_equal(a.reshape(5, 3).permute(1, 0).numpy(), a.numpy().reshape(5, 3).T)
+
+
+def test_constants_held_by_tensors_are_never_shared() -> None:
+  """Tensor.full / zeros (LazyBuffer.full) give each tensor a constant of its own, one element included (a write to
+  one never reaches another); operand constants of one element are made per op, larger ones shared."""
+  device = Tensor([1.0]).device
+  for shape in ((), (1,), (2, 3)):
+    first, second = LazyBuffer.full(1.0, shape, dtypes.float32, device), LazyBuffer.full(1.0, shape, dtypes.float32,
+                                                                                          device)
+    assert first is not second and first.base is not second.base
+  assert LazyBuffer.operand_constant(1.0, (1,), dtypes.float32, device) is not \
+      LazyBuffer.operand_constant(1.0, (1,), dtypes.float32, device)
+  ones, others = Tensor.ones(1), Tensor.ones(1)
+  ones[0] = 5.0
+  np.testing.assert_array_equal(others.numpy(), np.ones(1, np.float32))
+  np.testing.assert_array_equal((Tensor([2.0]) + 1).numpy(), np.array([3.0], np.float32))
