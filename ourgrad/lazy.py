@@ -269,14 +269,19 @@ class LazyBuffer:
     view._base, view._const = base, None
     return view
 
+  # reshape, permute and expand (every broadcast and matmul makes them): the view itself where this is no constant
+  # tensor's storage (_moved's common case, one frame less)
   def reshape(self, shape: tuple[int, ...]) -> LazyBuffer:
-    return self if shape == self.shape else self._moved(ShapeTracker.reshape, shape)
+    if shape == self.shape: return self
+    return self.view(self.st.reshape(shape)) if self._const is None else self._moved(ShapeTracker.reshape, shape)
 
   def permute(self, axes: tuple[int, ...]) -> LazyBuffer:
-    return self if axes == tuple(range(len(self.shape))) else self._moved(ShapeTracker.permute, axes)
+    if axes == tuple(range(len(self.shape))): return self
+    return self.view(self.st.permute(axes)) if self._const is None else self._moved(ShapeTracker.permute, axes)
 
   def expand(self, shape: tuple[int, ...]) -> LazyBuffer:
-    return self if shape == self.shape else self._moved(ShapeTracker.expand, shape)
+    if shape == self.shape: return self
+    return self.view(self.st.expand(shape)) if self._const is None else self._moved(ShapeTracker.expand, shape)
 
   def pad(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
     return self if all(pads == (0, 0) for pads in arg) else self._moved(ShapeTracker.pad, arg)
