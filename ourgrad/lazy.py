@@ -360,8 +360,10 @@ class LazyBuffer:
     if bitcast and dtype.itemsize != self.dtype.itemsize:
       raise DTypeError(f"bitcast needs dtypes of one size: {self.dtype} is {self.dtype.itemsize} bytes, "
                        f"{dtype} is {dtype.itemsize}")
-    value = self.const_value()
-    if value is not None and not bitcast: return self.const_like(_truncated(dtype, value), dtype)
+    # a constant casts to a constant (const_value asked only of a constant's views: most casts are of computed values)
+    if not bitcast and (self if self._base is None else self._base).op is _CONST:
+      value = self.const_value()
+      if value is not None: return self.const_like(_truncated(dtype, value), dtype)
     return LazyBuffer.create_base(self.device, self.shape, dtype, _BITCAST if bitcast else _CAST, dtype, (self,))
 
   def reduce(self, op: Ops, axes: tuple[int, ...], split: bool = True) -> LazyBuffer:
