@@ -148,7 +148,16 @@ def _equal(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return _not(a.elementwis
 def _widen(x: LazyBuffer) -> LazyBuffer:
   """float16/bfloat16 as float32: their exp, log and sigmoid compute in float32 and round once, as in PyTorch. In 11
   (or 8) bits the constant 1/ln 2 and the scaled argument would each be rounded: several ulps off for large |x|."""
-  return x.cast(dtypes.float32) if x.dtype in (dtypes.float16, dtypes.bfloat16) else x
+  return x.cast(dtypes.float32) if x.dtype in _NARROW_FLOATS else x
+
+
+_NARROW_FLOATS = (dtypes.float16, dtypes.bfloat16)
+
+
+def _widened(x: LazyBuffer, op: Ops) -> LazyBuffer:
+  """The unary `op` of x, computed in float32 for float16/bfloat16 and rounded once (_widen's rule, one call)."""
+  if x.dtype in _NARROW_FLOATS: return x.cast(dtypes.float32).elementwise(op).cast(x.dtype)
+  return x.elementwise(op)
 
 
 def _exp(x: LazyBuffer) -> LazyBuffer:
@@ -238,7 +247,7 @@ class Log2(Function):
 
   def forward(self, x: LazyBuffer) -> LazyBuffer:
     self.x = x
-    return _widen(x).elementwise(Ops.LOG2).cast(x.dtype)
+    return _widened(x, _LOG2)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _scale(_div(grad_output, self.x), 1 / math.log(2))
 
@@ -255,7 +264,7 @@ class Exp2(Function):
   """2 ** x: one EXP2 (exp(x * ln 2) would round x * ln 2 and scale it back in the kernel)."""
 
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = _widen(x).elementwise(Ops.EXP2).cast(x.dtype)
+    self.result = _widened(x, _EXP2)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _scale(_mul(self.result, grad_output), math.log(2))
@@ -378,7 +387,7 @@ class Sub(Function):
 class Mul(Function):
   def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
     self.x, self.y = x, y
-    return _mul(x, y)
+    return x.elementwise(_MUL, y)
 
   def saved_values(self) -> list[LazyBuffer]:   # each factor is needed only for the other's gradient
     return [value for value, needed in ((self.y, self.needs_input_grad[0]), (self.x, self.needs_input_grad[1]))

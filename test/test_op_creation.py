@@ -6,6 +6,7 @@ from __future__ import annotations
 import cProfile
 import math
 import pstats
+import sys
 import threading
 from typing import Any, Callable
 
@@ -124,8 +125,13 @@ def test_readers_noted_from_threads_are_all_kept() -> None:
       reader = x.lazydata.elementwise(Ops.ADD, x.lazydata)
       if step % 3 == 0: kept[index].append(reader)   # the others die: pruning has work to do
   threads = [threading.Thread(target=build, args=(index,)) for index in range(4)]
-  for thread in threads: thread.start()
-  for thread in threads: thread.join()
+  interval = sys.getswitchinterval()
+  sys.setswitchinterval(1e-6)   # (threads switch every few bytecodes: appends and prunes interleave)
+  try:
+    for thread in threads: thread.start()
+    for thread in threads: thread.join()
+  finally:
+    sys.setswitchinterval(interval)
   alive = {id(reader) for reader in base.live_readers()}
   assert all(id(reader) in alive for readers in kept for reader in readers)
   assert len(base._readers) <= 2 * base._readers_pruned_at + 16
