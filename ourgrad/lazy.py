@@ -313,7 +313,8 @@ class LazyBuffer:
                           f"move one with .to({self.device!r})")
       if src.shape != self.shape: raise AssertionError(f"elementwise shapes differ: {self.shape} vs {src.shape}")
     out_dtype = dtype or (dtypes.bool if op in COMPARISON_OPS else srcs[-1].dtype)
-    if op is _NEG and self.dtype.is_float and self.const_value() is None:
+    if op is _NEG and self.dtype.is_float and \
+        ((self if self._base is None else self._base).op is not _CONST or self.const_value() is None):
       # -x as x * -1: a pad pushed through NEG would give -(0) = -0.0 in the padding, where a padded constant -1
       # gives 0 * 0 = +0.0 as PyTorch pads (and -(+0.0) is still -0.0 inside)
       return self.elementwise(_MUL, self.operand_like(-1, self.dtype))
