@@ -127,13 +127,13 @@ class LazyBuffer:
     base._storage = None
     base._trace_index = -1   # its position in the creation trace (lazy_trace.py), -1: not traced
     if not srcs: return base
-    # the readers of the sources and the creation trace, written out here rather than in the helpers (_add_reader_to_
-    # sources, lazy_trace.record): every op built runs this, and each call of a helper costs more than its work. No
-    # lock (an uncontended lock cost more than the rest of this): see _prune_readers
+    # the readers of the sources and the creation trace, written out here rather than in the helpers (_add_reader,
+    # lazy_trace.record): every op built runs this, and each call of a helper costs more than its work. No lock (an
+    # uncontended lock cost more than the rest of this): see _prune_readers
     reference = weakref.ref(base)
     for src in srcs:
       source = src if src._base is None else src._base
-      if source.op is _CONST: continue   # (never written in place: see _add_reader_to_sources)
+      if source.op is _CONST: continue   # (never written in place: see _add_reader)
       readers = source._readers
       readers.append(reference)
       if len(readers) > 2 * source._readers_pruned_at + 16: _prune_readers(source)
@@ -246,7 +246,13 @@ class LazyBuffer:
   # ---------------------------------------------------------------- readers (for copy-on-write before an assign)
 
   def _add_reader(self, reader: LazyBuffer) -> None:
-    _add_reader_to_sources(reader, (self,))
+    """Note `reader` among the readers of this buffer's base (create_base writes the same out for its sources). A
+    constant keeps none: it is never written in place (a write to one makes a new base: `_write_constant`), and a
+    shared constant (`operand_constant`) would collect every step's readers."""
+    base = self._base if self._base is not None else self
+    if base.op is _CONST: return
+    base._readers.append(weakref.ref(reader))
+    if len(base._readers) > 2 * base._readers_pruned_at + 16: _prune_readers(base)
 
   def live_readers(self) -> Iterator[LazyBuffer]:
     """The bases built from this one that are still alive (each at most once)."""
@@ -632,28 +638,11 @@ _new_lazy_buffer = object.__new__
 _TRACE = lazy_trace._trace   # (the one-item list holding the open trace: read at every base made)
 
 
-def _add_reader_to_sources(reader: LazyBuffer, srcs: Sequence[LazyBuffer]) -> None:
-  """Note `reader` (one weak reference, shared) among the readers of each source's base (create_base writes the same
-  out for the bases it makes)."""
-  reference = weakref.ref(reader)
-  for src in srcs:
-    base = src if src._base is None else src._base   # (.base, without the property call)
-    # a constant is never written in place (a write to one makes a new base: `_write_constant`), so no reader of it
-    # needs protecting; and a shared constant (`operand_constant`) would collect every step's readers
-    if base.op is _CONST: continue
-    base._readers.append(reference)
-    if len(base._readers) > 2 * base._readers_pruned_at + 16: _prune_readers(base)
-
-
 def _prune_readers(base: LazyBuffer) -> None:
-  """Drop the dead references among `base`'s readers. A long-lived base (a weight) gets new readers every step:
-  pruned whenever the list doubled since the last pruning, it stays proportional to the live readers (amortized O(1)
-  per reader).
-
-  Readers are noted without a lock (every op built notes its sources'), though two threads may build readers of one
-  base (a weight) at once: a base's list is made with it and never replaced, and an append is atomic, so no reader is
-  lost. Pruning takes _READERS_LOCK (one prune at a time) and rewrites only the entries it read, in one slice
-  assignment, which keeps those appended meanwhile; live_readers iterates over a copy."""
+  """Drop the dead references among `base`'s readers, whenever the list doubled since the last pruning (amortized
+  O(1) per reader). Readers are noted without a lock, from any thread: a base's list is made with it and never
+  replaced, and an append is atomic. Pruning takes _READERS_LOCK (one at a time) and rewrites in place only the
+  entries it read (one slice assignment: those appended meanwhile stay); live_readers iterates over a copy."""
   with _READERS_LOCK:
     readers = base._readers
     count = len(readers)
@@ -740,8 +729,7 @@ def _fit_last(lazy: LazyBuffer, length: int, current: int) -> LazyBuffer:
 
 
 def _constant(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
-  """`value` in `dtype` as one scalar CONST base viewed as `shape` (no memory is used): one view, made from the
-  remembered tracker of the shape (what reshape + expand would make, without the buffer in between)."""
+  """`value` in `dtype` as a scalar CONST base viewed as `shape` by one remembered tracker (no memory is used)."""
   return LazyBuffer.create_base(device, (), dtype, _CONST, _truncated(dtype, value)).view(_broadcast_scalar(shape))
 
 
