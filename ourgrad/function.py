@@ -67,7 +67,12 @@ class Function:
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
     ctx = _new_function(cls)
-    _record_inputs(ctx, tensors[0]._lazydata.device, tensors)   # (Tensor.device without the property call)
+    # _record_inputs written out (one frame less for every op built)
+    ctx.device = tensors[0]._lazydata.device   # (Tensor.device without the property call)
+    ctx.needs_input_grad = needs = list(map(_requires_grad_of, tensors))
+    ctx.requires_grad = True if True in needs else None if None in needs else False
+    if ctx.requires_grad:
+      ctx.parents, ctx.parent_ctxs, ctx.versions_seen = tensors, tuple(map(_ctx_of, tensors)), Storage.versions_made
     output = ctx.forward(*map(_lazydata_of, tensors), **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch; under no_grad() nothing
     # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
@@ -143,7 +148,16 @@ def _equal(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return _not(a.elementwis
 def _widen(x: LazyBuffer) -> LazyBuffer:
   """float16/bfloat16 as float32: their exp, log and sigmoid compute in float32 and round once, as in PyTorch. In 11
   (or 8) bits the constant 1/ln 2 and the scaled argument would each be rounded: several ulps off for large |x|."""
-  return x.cast(dtypes.float32) if x.dtype in (dtypes.float16, dtypes.bfloat16) else x
+  return x.cast(dtypes.float32) if x.dtype in _NARROW_FLOATS else x
+
+
+_NARROW_FLOATS = (dtypes.float16, dtypes.bfloat16)
+
+
+def _widened(x: LazyBuffer, op: Ops) -> LazyBuffer:
+  """The unary `op` of x, computed in float32 for float16/bfloat16 and rounded once (_widen's rule, one call)."""
+  if x.dtype in _NARROW_FLOATS: return x.cast(dtypes.float32).elementwise(op).cast(x.dtype)
+  return x.elementwise(op)
 
 
 def _exp(x: LazyBuffer) -> LazyBuffer:
@@ -228,6 +242,16 @@ class Log(Function):
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _div(grad_output, self.x)
 
 
+class Log2(Function):
+  """log2(x): one LOG2 (log(x) / ln 2 would scale by ln 2 and back, rounding twice)."""
+
+  def forward(self, x: LazyBuffer) -> LazyBuffer:
+    self.x = x
+    return _widened(x, _LOG2)
+
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _scale(_div(grad_output, self.x), 1 / math.log(2))
+
+
 class Exp(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
     self.result = _exp(x)
@@ -240,7 +264,7 @@ class Exp2(Function):
   """2 ** x: one EXP2 (exp(x * ln 2) would round x * ln 2 and scale it back in the kernel)."""
 
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = _widen(x).elementwise(Ops.EXP2).cast(x.dtype)
+    self.result = _widened(x, _EXP2)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _scale(_mul(self.result, grad_output), math.log(2))
@@ -363,7 +387,7 @@ class Sub(Function):
 class Mul(Function):
   def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
     self.x, self.y = x, y
-    return _mul(x, y)
+    return x.elementwise(_MUL, y)
 
   def saved_values(self) -> list[LazyBuffer]:   # each factor is needed only for the other's gradient
     return [value for value, needed in ((self.y, self.needs_input_grad[0]), (self.x, self.needs_input_grad[1]))

@@ -27,7 +27,7 @@ from ourgrad import lazy_trace
 from ourgrad.lazy_reduce import build_reduce, reduce_plan
 from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
-from ourgrad.shape.shapetracker import ShapeTracker, _identity_tracker
+from ourgrad.shape.shapetracker import IDENTITY_TRACKERS, ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
 from ourgrad.shape.view import View, strides_for_shape
 
@@ -37,6 +37,7 @@ _READERS_LOCK = threading.Lock()
 # class (`Ops.CONST`) goes through EnumType's __getattr__ hook, ~0.2 us a read, and every op built read several
 _CONST, _NEG, _ADD, _MUL, _RECIP = Ops.CONST, Ops.NEG, Ops.ADD, Ops.MUL, Ops.RECIP
 _CAST, _BITCAST, _SUM = Ops.CAST, Ops.BITCAST, Ops.SUM
+_PLAIN_SCALARS = (bool, int, float)   # constant values compared directly (a symbolic one goes to _fold_constants)
 
 # the value a reduce starts from, and what reducing an empty axis gives
 REDUCE_IDENTITY = {Ops.SUM: 0, Ops.MAX_REDUCE: -math.inf}
@@ -104,8 +105,9 @@ class LazyBuffer:
     """A new base computing `op` (with `arg`) over `srcs`, of `shape` and `dtype`: the node every op builds."""
     # every op built runs this: its slots set here, in one frame (no __init__, no helpers)
     base = _new_lazy_buffer(LazyBuffer)
-    # (ShapeTracker.from_shape's interned tracker without its call where the shape is a tuple)
-    st = _identity_tracker(shape) if type(shape) is tuple else ShapeTracker.from_shape(shape)
+    # (ShapeTracker.from_shape's interned tracker, read without a call where it is made already)
+    st = IDENTITY_TRACKERS.get(shape) if type(shape) is tuple else None
+    if st is None: st = ShapeTracker.from_shape(shape)
     base.device, base.st, base.dtype = device, st, dtype
     base.shape = st.views[-1].shape   # (ShapeTracker.shape without the property call)
     # a constant (LazyBuffer.full: Tensor.zeros, a folded `x * 0`) is a broadcast scalar, not memory: the storage a
@@ -116,26 +118,25 @@ class LazyBuffer:
     base.realized = None          # set when the scheduler gives this base a buffer
     base.forced_realize = False   # realize even if it could be fused (contiguous(), realize())
     # weak references to the bases that read this one: an in-place write to this base's buffer finds the lazy readers
-    # that must still see the old contents (engine/snapshot.py); created on the first reader
-    base._readers = None
+    # that must still see the old contents (engine/snapshot.py). Made here, so that noting a reader is one append
+    # without a lock (see _prune_readers)
+    base._readers = []
     base._readers_pruned_at = 0
     # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding this
     # base or a view of it read its newest version (`current`), computed readers keep this one
     base._storage = None
     base._trace_index = -1   # its position in the creation trace (lazy_trace.py), -1: not traced
     if not srcs: return base
-    # the readers of the sources and the creation trace, written out here rather than in the helpers (_add_reader_to_
-    # sources, lazy_trace.record): every op built runs this, and each call of a helper costs more than its work
+    # the readers of the sources and the creation trace, written out here rather than in the helpers (_add_reader,
+    # lazy_trace.record): every op built runs this, and each call of a helper costs more than its work. No lock (an
+    # uncontended lock cost more than the rest of this): see _prune_readers
     reference = weakref.ref(base)
-    with _READERS_LOCK:  # two threads may build readers of one base (a weight) at once
-      for src in srcs:
-        source = src if src._base is None else src._base
-        if source.op is _CONST: continue   # (never written in place: see _add_reader_to_sources)
-        readers = source._readers
-        if readers is None: source._readers = [reference]
-        else:
-          readers.append(reference)
-          if len(readers) > 2 * source._readers_pruned_at + 16: _prune_readers(source)
+    for src in srcs:
+      source = src if src._base is None else src._base
+      if source.op is _CONST: continue   # (never written in place: see _add_reader)
+      readers = source._readers
+      readers.append(reference)
+      if len(readers) > 2 * source._readers_pruned_at + 16: _prune_readers(source)
     trace = _TRACE[0]
     if trace is not None and not trace.tainted and (position := len(trace.bases)) < lazy_trace.MAX_TRACED:
       base._trace_index = position   # (record's common case: a trace open and not full)
@@ -183,10 +184,8 @@ class LazyBuffer:
   @staticmethod
   def full(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
     """A constant: one scalar CONST base viewed (reshape + expand) as `shape`; no memory is used."""
-    const_base = LazyBuffer.create_base(device, (), dtype, Ops.CONST, _truncated(dtype, value))
-    # the memory a tensor holding it stands for: written on first write (Storage.of_constant). One view, made from
-    # the remembered tracker of the shape (what reshape + expand would make, without the buffer in between)
-    return Storage.of_constant(const_base.view(_broadcast_scalar(shape)))
+    # the memory a tensor holding it stands for: written on first write (Storage.of_constant)
+    return Storage.of_constant(_constant(value, shape, dtype, device))
 
   @staticmethod
   def operand_constant(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
@@ -200,10 +199,9 @@ class LazyBuffer:
       key = (value, sign, kind, dtype, device, shape)
       shared = _OPERAND_CONSTANTS.get(key)
     except TypeError:   # a symbolic value or size: not shared
-      return LazyBuffer.full(value, shape, dtype, device)
+      return _constant(value, shape, dtype, device)
     if shared is not None: return shared
-    shared = LazyBuffer.full(value, shape, dtype, device)
-    shared._const = None   # (not a tensor's storage: see above)
+    shared = _constant(value, shape, dtype, device)
     # one element (or none): a contiguous view, which `contiguous()` would answer by marking the shared base; NaN:
     # never equal to its key
     if shared.st.contiguous or value != value: return shared
@@ -248,12 +246,18 @@ class LazyBuffer:
   # ---------------------------------------------------------------- readers (for copy-on-write before an assign)
 
   def _add_reader(self, reader: LazyBuffer) -> None:
-    _add_reader_to_sources(reader, (self,))
+    """Note `reader` among the readers of this buffer's base (create_base writes the same out for its sources). A
+    constant keeps none: it is never written in place (a write to one makes a new base: `_write_constant`), and a
+    shared constant (`operand_constant`) would collect every step's readers."""
+    base = self._base if self._base is not None else self
+    if base.op is _CONST: return
+    base._readers.append(weakref.ref(reader))
+    if len(base._readers) > 2 * base._readers_pruned_at + 16: _prune_readers(base)
 
   def live_readers(self) -> Iterator[LazyBuffer]:
     """The bases built from this one that are still alive (each at most once)."""
     seen: set[int] = set()
-    for ref in self._readers or ():
+    for ref in tuple(self._readers or ()):   # (a copy: another thread may prune it in place meanwhile)
       reader = ref()
       if reader is not None and id(reader) not in seen:
         seen.add(id(reader))
@@ -271,14 +275,19 @@ class LazyBuffer:
     view._base, view._const = base, None
     return view
 
+  # reshape, permute and expand (every broadcast and matmul makes them): the view itself where this is no constant
+  # tensor's storage (_moved's common case, one frame less)
   def reshape(self, shape: tuple[int, ...]) -> LazyBuffer:
-    return self if shape == self.shape else self._moved(ShapeTracker.reshape, shape)
+    if shape == self.shape: return self
+    return self.view(self.st.reshape(shape)) if self._const is None else self._moved(ShapeTracker.reshape, shape)
 
   def permute(self, axes: tuple[int, ...]) -> LazyBuffer:
-    return self if axes == tuple(range(len(self.shape))) else self._moved(ShapeTracker.permute, axes)
+    if axes == tuple(range(len(self.shape))): return self
+    return self.view(self.st.permute(axes)) if self._const is None else self._moved(ShapeTracker.permute, axes)
 
   def expand(self, shape: tuple[int, ...]) -> LazyBuffer:
-    return self if shape == self.shape else self._moved(ShapeTracker.expand, shape)
+    if shape == self.shape: return self
+    return self.view(self.st.expand(shape)) if self._const is None else self._moved(ShapeTracker.expand, shape)
 
   def pad(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
     return self if all(pads == (0, 0) for pads in arg) else self._moved(ShapeTracker.pad, arg)
@@ -310,16 +319,21 @@ class LazyBuffer:
                           f"move one with .to({self.device!r})")
       if src.shape != self.shape: raise AssertionError(f"elementwise shapes differ: {self.shape} vs {src.shape}")
     out_dtype = dtype or (dtypes.bool if op in COMPARISON_OPS else srcs[-1].dtype)
-    if op is _NEG and self.dtype.is_float and self.const_value() is None:
+    if op is _NEG and self.dtype.is_float and \
+        ((self if self._base is None else self._base).op is not _CONST or self.const_value() is None):
       # -x as x * -1: a pad pushed through NEG would give -(0) = -0.0 in the padding, where a padded constant -1
       # gives 0 * 0 = +0.0 as PyTorch pads (and -(+0.0) is still -0.0 inside)
       return self.elementwise(_MUL, self.operand_like(-1, self.dtype))
-    # most ops read no constant at all: nothing to fold, without a _fold_constants call
+    # only constants fold, and with a non-constant operand only in x + 0, x * 1 and an integer x * 0
+    # (_fold_constants): most ops (x * y, x + 1, max(x, 0)) build their base without a _fold_constants call
+    constants, value = 0, None
     for src in srcs:
-      if (src if src._base is None else src._base).op is _CONST:
-        folded = self._fold_constants(op, srcs, out_dtype)
-        if folded is not None: return folded
-        break
+      source = src if src._base is None else src._base
+      if source.op is _CONST: constants, value = constants + 1, source.arg
+    if constants and (constants == len(srcs) or ((op is _ADD or op is _MUL) and (
+        type(value) not in _PLAIN_SCALARS or value == 0 or (op is _MUL and value == 1)))):
+      folded = self._fold_constants(op, srcs, out_dtype)
+      if folded is not None: return folded
     return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)
 
   def _fold_constants(self, op: Ops, srcs: tuple[LazyBuffer, ...], out_dtype: DType) -> LazyBuffer | None:
@@ -353,8 +367,10 @@ class LazyBuffer:
     if bitcast and dtype.itemsize != self.dtype.itemsize:
       raise DTypeError(f"bitcast needs dtypes of one size: {self.dtype} is {self.dtype.itemsize} bytes, "
                        f"{dtype} is {dtype.itemsize}")
-    value = self.const_value()
-    if value is not None and not bitcast: return self.const_like(_truncated(dtype, value), dtype)
+    # a constant casts to a constant (const_value asked only of a constant's views: most casts are of computed values)
+    if not bitcast and (self if self._base is None else self._base).op is _CONST:
+      value = self.const_value()
+      if value is not None: return self.const_like(_truncated(dtype, value), dtype)
     return LazyBuffer.create_base(self.device, self.shape, dtype, _BITCAST if bitcast else _CAST, dtype, (self,))
 
   def reduce(self, op: Ops, axes: tuple[int, ...], split: bool = True) -> LazyBuffer:
@@ -622,28 +638,18 @@ _new_lazy_buffer = object.__new__
 _TRACE = lazy_trace._trace   # (the one-item list holding the open trace: read at every base made)
 
 
-def _add_reader_to_sources(reader: LazyBuffer, srcs: Sequence[LazyBuffer]) -> None:
-  """Note `reader` (one weak reference, shared) among the readers of each source's base. One function for every
-  source of a new base, under one lock: it runs for every op built."""
-  reference = weakref.ref(reader)
-  with _READERS_LOCK:  # two threads may build readers of one base (a weight) at once
-    for src in srcs:
-      base = src if src._base is None else src._base   # (.base, without the property call)
-      # a constant is never written in place (a write to one makes a new base: `_write_constant`), so no reader of it
-      # needs protecting; and a shared constant (`operand_constant`) would collect every step's readers
-      if base.op is _CONST: continue
-      readers = base._readers
-      if readers is None: readers = base._readers = []
-      readers.append(reference)
-      if len(readers) > 2 * base._readers_pruned_at + 16: _prune_readers(base)
-
-
 def _prune_readers(base: LazyBuffer) -> None:
-  """Drop the dead references among `base`'s readers (under _READERS_LOCK). A long-lived base (a weight) gets new
-  readers every step: pruned whenever the list doubled since the last pruning, it stays proportional to the live
-  readers (amortized O(1) per reader)."""
-  base._readers = [ref for ref in base._readers if ref() is not None]
-  base._readers_pruned_at = len(base._readers)
+  """Drop the dead references among `base`'s readers, whenever the list doubled since the last pruning (amortized
+  O(1) per reader). Readers are noted without a lock, from any thread: a base's list is made with it and never
+  replaced, and an append is atomic. Pruning takes _READERS_LOCK (one at a time) and rewrites in place only the
+  entries it read (one slice assignment: those appended meanwhile stay); live_readers iterates over a copy."""
+  with _READERS_LOCK:
+    readers = base._readers
+    count = len(readers)
+    if count <= 2 * base._readers_pruned_at + 16: return   # (another thread pruned it just now)
+    alive = [ref for ref in readers[:count] if ref() is not None]
+    readers[:count] = alive   # (one step: references appended after the first `count` stay)
+    base._readers_pruned_at = len(alive)
 
 
 class Storage:
@@ -720,6 +726,11 @@ def _fit_last(lazy: LazyBuffer, length: int, current: int) -> LazyBuffer:
   if current < length: return lazy.pad(((0, 0),) * (len(lazy.shape) - 1) + ((0, length - current),))
   if current > length: return lazy.shrink(tuple((0, size) for size in lazy.shape[:-1]) + ((0, length),))
   return lazy
+
+
+def _constant(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
+  """`value` in `dtype` as a scalar CONST base viewed as `shape` by one remembered tracker (no memory is used)."""
+  return LazyBuffer.create_base(device, (), dtype, _CONST, _truncated(dtype, value)).view(_broadcast_scalar(shape))
 
 
 @functools.lru_cache(maxsize=1 << 12)

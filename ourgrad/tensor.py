@@ -245,16 +245,17 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
 
   def realize(self, *others: Tensor) -> Tensor:
     """Compute this tensor (and `others`) now, in one schedule."""
+    timed = DEBUG >= 1   # (the clock read only where it is printed)
     with REALIZE_LOCK:  # one thread at a time between scheduling and running (see REALIZE_LOCK)
-      start = time.perf_counter()
+      if timed: start = time.perf_counter()
       # cached by the graph's structure
       lazy = self.lazydata
       outs = [lazy] if not others and type(lazy) is LazyBuffer else \
           [lazy for tensor in (self, *others) for lazy in _per_device(tensor.lazydata)]
       schedule = schedule_cache.schedule(outs)
-      scheduled = time.perf_counter()
+      if timed: scheduled = time.perf_counter()
       engine_realize.run_schedule(schedule)
-    if DEBUG >= 1 and schedule:
+    if timed and schedule:
       print(f"realize: {len(schedule)} items, scheduled in {(scheduled - start) * 1e3:.2f} ms, "
             f"ran in {(time.perf_counter() - scheduled) * 1e3:.2f} ms")
     return self

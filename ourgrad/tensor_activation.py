@@ -46,8 +46,9 @@ class ActivationMixin:
 
   def relu(self) -> Tensor:
     """max(self, 0), in this tensor's dtype (a bool tensor comes back unchanged)."""
-    if self.dtype == dtypes.bool: return self
-    return F.Relu.apply(self) if self.dtype.is_float else self.maximum(0)
+    dtype = self._lazydata.dtype   # (no dtype property call: every relu)
+    if dtype.is_float: return F.Relu.apply(self)
+    return self if dtype is dtypes.bool else self.maximum(0)
 
   def sigmoid(self) -> Tensor:
     """1 / (1 + exp(-self)) (integers and bools promote to the default float)."""

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 
 _PY_SCALARS = (bool, int, float)
+_new_tensor = object.__new__
 _BOOL = dtypes.bool
 
 
@@ -173,7 +174,10 @@ class ElementwiseMixin:
       # (a float tensor keeps its dtype with any scalar: result_dtype's answer, without its calls)
       dtype = mine.dtype if mine.dtype.is_float else result_dtype(mine.dtype, other)
       x = self if dtype is mine.dtype else self.cast(dtype)
-      constant = type(self)(LazyBuffer.operand_constant(other, x.shape, dtype, x.device))
+      # (Tensor(lazy)'s slots set here: a constant, which needs no gradient, on x's device)
+      constant = _new_tensor(type(self))
+      constant._lazydata = LazyBuffer.operand_constant(other, mine.shape, dtype, mine.device)
+      constant.requires_grad = constant.grad = constant._ctx = None
       return (constant, x) if reverse else (x, constant)
     other_tensor = self._to_tensor(other)
     if other_tensor.device != self.device:
@@ -193,7 +197,7 @@ class ElementwiseMixin:
 
   def _float_operand(self) -> Tensor:
     """Float math on ints and bools promotes to the default float, as in PyTorch."""
-    return self if self.dtype.is_float else self.cast(dtypes.default_float)
+    return self if self._lazydata.dtype.is_float else self.cast(dtypes.default_float)   # (no dtype property call)
 
   def _check_integer(self, name: str) -> None:
     if self.dtype.is_float:
@@ -600,8 +604,8 @@ class ElementwiseMixin:
 
   @autocast_op(CastPolicy.FLOAT32)
   def log2(self) -> Tensor:
-    """The base-2 logarithm, computed as log(self) / ln 2."""
-    return self.log() / math.log(2)
+    """The base-2 logarithm (integers and bools promote to the default float)."""
+    return F.Log2.apply(self._float_operand())
 
   @autocast_op(CastPolicy.FLOAT32)
   def log10(self) -> Tensor:

@@ -38,7 +38,7 @@ def test_shared_constant_keeps_no_readers() -> None:
   t = Tensor(_values(3, 4))
   for _ in range(50): t * 0.5
   constant = LazyBuffer.operand_constant(0.5, (3, 4), dtypes.float32, t.device)
-  assert constant.base.op is Ops.CONST and constant.base._readers is None
+  assert constant.base.op is Ops.CONST and not constant.base._readers
 
 
 def test_operand_constants_keep_types_and_signs_apart() -> None:
@@ -293,7 +293,7 @@ def test_new_bases_note_their_readers_and_trace_positions() -> None:
   added = product.srcs[0].base
   assert any(reader is added for reader in x.lazydata.base.live_readers())
   assert any(reader is product for reader in added.live_readers())
-  assert product.srcs[1].base._readers is None   # (the shared 0.5: never written, so no readers kept)
+  assert not product.srcs[1].base._readers   # (the shared 0.5: never written, so no readers kept)
   trace = lazy_trace._trace[0]
   assert trace is not None and trace.position(added) == added._trace_index >= 0
   assert trace.position(product) == added._trace_index + 1

@@ -412,7 +412,7 @@ class CapturedJit:
     for index in self.owned_outputs:
       for ref in self.given_out[index]:
         lazy = ref()
-        if lazy is None or lazy._readers is None: continue
+        if lazy is None or not lazy._readers: continue
         readers = stale_readers(lazy, lazy)  # only readers whose sources still are this base (not redirected yet)
         if not readers: continue
         snapshot = Tensor(lazy.clone()).realize().lazydata.base

@@ -176,7 +176,7 @@ class ShapeTracker:
 
   def __getstate__(self) -> dict:
     # the cached hash and strides stay behind: a Variable's name hashes differently in another process (as View's)
-    return {key: value for key, value in self.__dict__.items() if key not in ("_hash", "_real_strides")}
+    return {key: value for key, value in self.__dict__.items() if key not in ("_hash", "_real_strides", "_moves")}
 
   @staticmethod
   def from_shape(shape: Sequence[int]) -> ShapeTracker:
@@ -204,18 +204,35 @@ class ShapeTracker:
   # ---------------------------------------------------------------- movement ops
 
   # reshape, permute, expand, pad and shrink are pure functions of (the views, the argument), and a training step
-  # makes the same ones every step: each is remembered (bounded), like the views themselves (view.py)
+  # makes the same ones every step: each is remembered (bounded), like the views themselves (view.py). The three that
+  # every broadcast and matmul makes are also remembered on the tracker itself (`_moves`, keyed by the argument): a
+  # dict read, where the shared cache hashes the tracker through a Python __hash__ call
+  @functools.cached_property
+  def _moves(self) -> dict[tuple, ShapeTracker]: return {}
+
+  def _remember(self, key: tuple, moved: ShapeTracker) -> ShapeTracker:
+    moves = self._moves
+    if len(moves) >= _MOVES_PER_TRACKER: moves.clear()   # (bounded: a tracker moved ever new ways starts over)
+    moves[key] = moved
+    return moved
+
   def reshape(self, new_shape: Sequence[int]) -> ShapeTracker:
     """Same elements in a new shape (same element count); pushes a second view when one cannot express it."""
-    return _reshape_tracker(self, tuple(new_shape))
+    key = (_RESHAPE, new_shape if type(new_shape) is tuple else tuple(new_shape))
+    moved = self._moves.get(key)
+    return moved if moved is not None else self._remember(key, _reshape_tracker(self, key[1]))
 
   def permute(self, axes: Sequence[int]) -> ShapeTracker:
     """Reorder dims: output dim k is input dim axes[k]."""
-    return _permute_tracker(self, tuple(axes))
+    key = (_PERMUTE, axes if type(axes) is tuple else tuple(axes))
+    moved = self._moves.get(key)
+    return moved if moved is not None else self._remember(key, _permute_tracker(self, key[1]))
 
   def expand(self, new_shape: Sequence[int]) -> ShapeTracker:
     """Broadcast size-1 dims to new sizes."""
-    return _expand_tracker(self, tuple(new_shape))
+    key = (_EXPAND, new_shape if type(new_shape) is tuple else tuple(new_shape))
+    moved = self._moves.get(key)
+    return moved if moved is not None else self._remember(key, _expand_tracker(self, key[1]))
 
   def _reshape(self, new_shape: tuple[sint, ...]) -> ShapeTracker:
     if any(not isinstance(size, (int, Node)) or (not is_symbolic(size) and size < 0) for size in new_shape):
@@ -437,9 +454,24 @@ def _substitute_view(view: View, mapping: dict[Variable, Node]) -> View:
                      sub(view.offset), mask)
 
 
-@functools.lru_cache(maxsize=1 << 14)
-def _identity_tracker(shape: tuple[sint, ...]) -> ShapeTracker: return ShapeTracker((View.create(shape),))
+# shape -> the identity tracker of that shape, one instance per shape: every new lazy base asks (LazyBuffer.create_base
+# reads the dict itself). A plain dict read costs a fraction of an lru_cache call; bounded by clearing when full
+IDENTITY_TRACKERS: dict[tuple[sint, ...], ShapeTracker] = {}
+_IDENTITY_TRACKERS_MAX = 1 << 14
 
+
+def _identity_tracker(shape: tuple[sint, ...]) -> ShapeTracker:
+  tracker = IDENTITY_TRACKERS.get(shape)
+  if tracker is None:
+    tracker = ShapeTracker((View.create(shape),))
+    if len(IDENTITY_TRACKERS) >= _IDENTITY_TRACKERS_MAX: IDENTITY_TRACKERS.clear()
+    IDENTITY_TRACKERS[shape] = tracker
+  return tracker
+
+
+# the keys of ShapeTracker._moves (with the argument) and its bound per tracker
+_RESHAPE, _PERMUTE, _EXPAND = "reshape", "permute", "expand"
+_MOVES_PER_TRACKER = 64
 
 _reshape_tracker = functools.lru_cache(maxsize=1 << 14)(ShapeTracker._reshape)
 _permute_tracker = functools.lru_cache(maxsize=1 << 14)(ShapeTracker._permute)
