@@ -2,17 +2,19 @@
 finds its graph's schedule (engine/schedule_cache.py) without walking the graph (issue 26).
 
 Making a base with sources costs one append here (`record`: the base and its position, `LazyBuffer._trace_index`).
-A realize whose outputs are bases of the trace describes the trace in one pass over that list (`describe`): per base
-its op, arg, dtype, device, shape, forced-realize flag and source count, then per source a reference: `_LEAF`, the
-position of the source's realized buffer among the distinct buffers read (`Trace.leaves`; its device, size, dtype
-and type at its first read), the view and the base's shape; `_INLINE` and a constant's value, dtype, device, shape
-and view (a constant base has no sources and is not traced: the scheduler writes its value into each kernel reading
-it); or a traced base's position and the view. A source that is an unrealized base made before the trace (a
-remembered constant graph such as max pooling's window ranks, a value kept across a realize) is appended to the
-trace there and described in turn. The description is of the bases as they are at the realize, as the walk's key
+A realize whose outputs are bases of the trace describes the trace in one pass over that list (`describe`), one tuple
+per base and one per source, told apart by their lengths: a base's op, arg, dtype, device and shape (5); a source
+that is a traced base, its position and the view (2); one whose base is realized, `-1 - leaf` (`leaf`: the buffer's
+position among the distinct buffers read, `Trace.leaves`), the view and the base's shape (3), and at the buffer's
+first read also its device, size, dtype and type (7); a constant that is only read, `_INLINE`, its value, dtype,
+device, shape and the view (6; a constant base has no sources and is not traced: the scheduler writes its value into
+each kernel reading it). A source that is an unrealized base made before the trace (a remembered constant graph such
+as max pooling's window ranks, a value kept across a realize) is appended to the trace there and described in turn.
+What needs no Python step per base is read by C loops (map) around the pass: that every base is at its position (two
+threads appending at once make the trace inconsistent: that realize then walks its graph) and each base's
+forced-realize flag (`Trace.forced`). The description is of the bases as they are at the realize, as the walk's key
 is: the list holds every unrealized base below the outputs, sources referenced by position, so equal descriptions
-mean the scheduler makes the same decisions, as equal walk keys do. Each base's position is checked in the pass
-(two threads appending at once make the trace inconsistent: that realize then walks its graph).
+mean the scheduler makes the same decisions, as equal walk keys do.
 
 The trace holds its bases (and through them their sources) until the next schedule takes it (`take`), which lets go
 of it before the copy-on-write decisions of assigns; bases a schedule itself makes go to a trace it drops
@@ -22,6 +24,7 @@ tainted until the next schedule).
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from ourgrad.ops import Ops
@@ -30,21 +33,22 @@ if TYPE_CHECKING:
   from ourgrad.lazy import LazyBuffer
 
 MAX_TRACED = 50_000   # bases in one trace; beyond it the trace is dropped (tainted) until the next schedule
-_LEAF = "leaf buffer"
 _INLINE = "inline constant"
 PLAIN_ARG_TYPES = (type(None), int, bool, str)
 _CONST = Ops.CONST
+_position, _forced = attrgetter("_trace_index"), attrgetter("forced_realize")
 
 
 class Trace:
   """The bases made since the last schedule, in creation order; after `describe`, its tokens and the distinct
   realized buffers they read."""
-  __slots__ = ("bases", "tainted", "tokens", "leaves", "leaf_index")
+  __slots__ = ("bases", "tainted", "tokens", "forced", "leaves", "leaf_index")
 
   def __init__(self) -> None:
     self.bases: list[LazyBuffer] = []
     self.tainted = False
-    self.tokens: list[Any] = []
+    self.tokens: list[tuple] = []          # per base and per source one tuple (describe)
+    self.forced: tuple[bool, ...] = ()     # each base's forced-realize flag (describe)
     self.leaves: list[Any] = []            # distinct realized Buffers read, in first-read order (describe)
     self.leaf_index: dict[int, int] = {}   # id(Buffer) -> position in leaves
 
@@ -93,43 +97,48 @@ def hashable_arg(arg: Any) -> Any:
 
 
 def describe(trace: Trace) -> bool:
-  """Write `trace.tokens`, `leaves` and `leaf_index` (the module docstring); False if the trace is inconsistent (a
-  base not at its position: graphs two threads built at once). One loop over the list, which grows as bases made
-  before the trace are appended."""
+  """Write `trace.tokens`, `forced`, `leaves` and `leaf_index` (the module docstring); False if the trace is
+  inconsistent (a base not at its position: graphs two threads built at once). One loop over the list, which grows as
+  bases made before the trace are appended; what needs no Python step per base (the positions, the forced-realize
+  flags) is read by C loops (map) after it."""
   bases = trace.bases
-  tokens: list[Any] = []
-  extend = tokens.extend
+  count = len(bases)   # (grows as bases made before the trace are appended: the loop reaches them too)
+  tokens: list[tuple] = []
+  append = tokens.append
   leaves: list[Any] = []
   leaf_index: dict[int, int] = {}
-  count = len(bases)   # (grows as bases made before the trace are appended: the loop reaches them too)
-  for position, base in enumerate(bases):
-    if base._trace_index != position: return False
-    arg, srcs = base.arg, base.srcs
-    extend((base.op, arg if type(arg) in PLAIN_ARG_TYPES or (type(arg) is float and arg) else hashable_arg(arg),
-            base.dtype, base.device, base.shape, base.forced_realize, len(srcs)))
-    for src in srcs:
-      src_base = src if src._base is None else src._base
-      buffer = src_base.realized
-      if buffer is not None:
-        leaf = leaf_index.get(id(buffer))
-        if leaf is None:
-          leaf = leaf_index[id(buffer)] = len(leaves)
-          leaves.append(buffer)
-          extend((_LEAF, leaf, src.st, src_base.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
-        else:
-          extend((_LEAF, leaf, src.st, src_base.shape))
-        continue
-      index = src_base._trace_index
-      if not (0 <= index < count and bases[index] is src_base):
-        if src_base.op is _CONST and not src_base.srcs and not src_base.forced_realize:   # a constant only read
-          value = src_base.arg
-          extend((_INLINE, value if type(value) in PLAIN_ARG_TYPES or (type(value) is float and value) else
-                  hashable_arg(value), src_base.dtype, src_base.device, src_base.shape, src.st))
+  for base in bases:
+    arg = base.arg
+    # (most args are None, ints or nonzero floats: no call to hashable_arg)
+    append((base.op, arg if arg is None or type(arg) in PLAIN_ARG_TYPES or (type(arg) is float and arg) else
+            hashable_arg(arg), base.dtype, base.device, base.shape))
+    for src in base.srcs:
+      source = src._base or src   # (a view's base, or the base itself; LazyBuffers are always true)
+      buffer = source.realized
+      if buffer is None:
+        index = source._trace_index
+        # (-1, not traced, never names the last base where every listed base is at its position: checked below)
+        if index < count and bases[index] is source:
+          append((index, src.st))
+          continue
+        if source.op is _CONST and not source.srcs and not source.forced_realize:   # a constant only read
+          value = source.arg
+          append((_INLINE, value if type(value) in PLAIN_ARG_TYPES or (type(value) is float and value) else
+                  hashable_arg(value), source.dtype, source.device, source.shape, src.st))
           continue
         # a lazy base made before the trace (or a constant forced into memory): described after the ones listed
-        index = src_base._trace_index = count
-        bases.append(src_base)
+        source._trace_index = count
+        bases.append(source)
+        append((count, src.st))
         count += 1
-      extend((index, src.st))
-  trace.tokens, trace.leaves, trace.leaf_index = tokens, leaves, leaf_index
+        continue
+      leaf = leaf_index.get(id(buffer))
+      if leaf is None:
+        leaf = leaf_index[id(buffer)] = len(leaves)
+        leaves.append(buffer)
+        append((-1 - leaf, src.st, source.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
+      else: append((-1 - leaf, src.st, source.shape))
+  # every base at its position, checked after the pass (a base another thread appended meanwhile is then not)
+  if list(map(_position, bases)) != list(range(len(bases))): return False
+  trace.tokens, trace.forced, trace.leaves, trace.leaf_index = tokens, tuple(map(_forced, bases)), leaves, leaf_index
   return True
