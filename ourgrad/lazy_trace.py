@@ -10,11 +10,11 @@ first read also its device, size, dtype and type (7); a constant that is only re
 device, shape and the view (6; a constant base has no sources and is not traced: the scheduler writes its value into
 each kernel reading it). A source that is an unrealized base made before the trace (a remembered constant graph such
 as max pooling's window ranks, a value kept across a realize) is appended to the trace there and described in turn.
-What needs no Python step per base is read by C loops (map) around the pass: that every base is at its position (two
-threads appending at once make the trace inconsistent: that realize then walks its graph) and each base's
-forced-realize flag (`Trace.forced`). The description is of the bases as they are at the realize, as the walk's key
-is: the list holds every unrealized base below the outputs, sources referenced by position, so equal descriptions
-mean the scheduler makes the same decisions, as equal walk keys do.
+What needs no Python step per base is read by C loops (map) after the pass: that every base is at its position and
+unrealized (two threads appending at once make the trace inconsistent: that realize then walks its graph) and each
+base's forced-realize flag (`Trace.forced`). The description is of the bases as they are at the realize, as the
+walk's key is: the list holds every unrealized base below the outputs, sources referenced by position, so equal
+descriptions mean the scheduler makes the same decisions, as equal walk keys do.
 
 The trace holds its bases (and through them their sources) until the next schedule takes it (`take`), which lets go
 of it before the copy-on-write decisions of assigns; bases a schedule itself makes go to a trace it drops
@@ -36,7 +36,7 @@ MAX_TRACED = 50_000   # bases in one trace; beyond it the trace is dropped (tain
 _INLINE = "inline constant"
 PLAIN_ARG_TYPES = (type(None), int, bool, str)
 _CONST = Ops.CONST
-_position, _forced = attrgetter("_trace_index"), attrgetter("forced_realize")
+_position, _forced, _realized = attrgetter("_trace_index"), attrgetter("forced_realize"), attrgetter("realized")
 
 
 class Trace:
@@ -98,9 +98,9 @@ def hashable_arg(arg: Any) -> Any:
 
 def describe(trace: Trace) -> bool:
   """Write `trace.tokens`, `forced`, `leaves` and `leaf_index` (the module docstring); False if the trace is
-  inconsistent (a base not at its position: graphs two threads built at once). One loop over the list, which grows as
-  bases made before the trace are appended; what needs no Python step per base (the positions, the forced-realize
-  flags) is read by C loops (map) after it."""
+  inconsistent (a base not at its position, or realized: graphs two threads built and scheduled at once). One loop
+  over the list, which grows as bases made before the trace are appended; what needs no Python step per base (the
+  positions, the realized buffers, the forced-realize flags) is read by C loops (map) after it."""
   bases = trace.bases
   count = len(bases)   # (grows as bases made before the trace are appended: the loop reaches them too)
   tokens: list[tuple] = []
@@ -114,13 +114,14 @@ def describe(trace: Trace) -> bool:
             hashable_arg(arg), base.dtype, base.device, base.shape))
     for src in base.srcs:
       source = src._base or src   # (a view's base, or the base itself; LazyBuffers are always true)
+      index = source._trace_index
+      # a traced base (unrealized: checked below). -1, not traced, never names the last base where every listed base
+      # is at its position (checked below too)
+      if index < count and bases[index] is source:
+        append((index, src.st))
+        continue
       buffer = source.realized
       if buffer is None:
-        index = source._trace_index
-        # (-1, not traced, never names the last base where every listed base is at its position: checked below)
-        if index < count and bases[index] is source:
-          append((index, src.st))
-          continue
         if source.op is _CONST and not source.srcs and not source.forced_realize:   # a constant only read
           value = source.arg
           append((_INLINE, value if type(value) in PLAIN_ARG_TYPES or (type(value) is float and value) else
@@ -138,7 +139,10 @@ def describe(trace: Trace) -> bool:
         leaves.append(buffer)
         append((-1 - leaf, src.st, source.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
       else: append((-1 - leaf, src.st, source.shape))
-  # every base at its position, checked after the pass (a base another thread appended meanwhile is then not)
-  if list(map(_position, bases)) != list(range(len(bases))): return False
+  # every base at its position and unrealized, checked after the pass (a base another thread appended meanwhile is
+  # then not at its position, one its schedule realized is not unrealized)
+  count = len(bases)
+  if list(map(_position, bases)) != list(range(count)) or list(map(_realized, bases)).count(None) != count:
+    return False
   trace.tokens, trace.forced, trace.leaves, trace.leaf_index = tokens, tuple(map(_forced, bases)), leaves, leaf_index
   return True
