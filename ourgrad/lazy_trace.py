@@ -24,9 +24,12 @@ tainted until the next schedule).
 from __future__ import annotations
 
 import math
-from operator import attrgetter
+from functools import partial
+from itertools import chain, compress, count
+from operator import attrgetter, is_, not_
 from typing import TYPE_CHECKING, Any
 
+from ourgrad.helpers import register_cache_clearer
 from ourgrad.ops import Ops
 
 if TYPE_CHECKING:
@@ -36,7 +39,18 @@ MAX_TRACED = 50_000   # bases in one trace; beyond it the trace is dropped (tain
 _INLINE = "inline constant"
 PLAIN_ARG_TYPES = (type(None), int, bool, str)
 _CONST = Ops.CONST
+_PLAIN_TYPES = frozenset(PLAIN_ARG_TYPES)
+# (describe's C loops read these)
 _position, _forced, _realized = attrgetter("_trace_index"), attrgetter("forced_realize"), attrgetter("realized")
+_header, _arg = attrgetter("op", "dtype", "device", "shape"), attrgetter("arg")
+_srcs, _base, _st = attrgetter("srcs"), attrgetter("_base"), attrgetter("st")
+_is_none = partial(is_, None)
+# a constant's reference by the LazyBuffer it is read through (the shared operand constants of lazy.py: the same
+# objects every step). A constant and its view never change; whether it is forced into memory is read at each use.
+# Bounded: cleared when full
+_INLINED: dict[LazyBuffer, tuple] = {}
+_INLINED_MAX = 4096
+register_cache_clearer(_INLINED.clear)
 
 
 class Trace:
@@ -47,7 +61,7 @@ class Trace:
   def __init__(self) -> None:
     self.bases: list[LazyBuffer] = []
     self.tainted = False
-    self.tokens: list[tuple] = []          # per base and per source one tuple (describe)
+    self.tokens: tuple = ()                # the description (describe)
     self.forced: tuple[bool, ...] = ()     # each base's forced-realize flag (describe)
     self.leaves: list[Any] = []            # distinct realized Buffers read, in first-read order (describe)
     self.leaf_index: dict[int, int] = {}   # id(Buffer) -> position in leaves
@@ -98,51 +112,74 @@ def hashable_arg(arg: Any) -> Any:
 
 def describe(trace: Trace) -> bool:
   """Write `trace.tokens`, `forced`, `leaves` and `leaf_index` (the module docstring); False if the trace is
-  inconsistent (a base not at its position, or realized: graphs two threads built and scheduled at once). One loop
-  over the list, which grows as bases made before the trace are appended; what needs no Python step per base (the
-  positions, the realized buffers, the forced-realize flags) is read by C loops (map) after it."""
+  inconsistent (a base not at its position, or realized: graphs two threads built and scheduled at once).
+
+  The facts of every base and of every source read through a traced base are gathered by C loops (map, zip over
+  attrgetters), with no Python step per base: Python runs only for an arg that is not a plain value and for a source
+  that is not a traced base (a realized buffer, a constant, a base made before the trace, which is appended and
+  described in the next round, its position the one its first reader gives it)."""
   bases = trace.bases
-  count = len(bases)   # (grows as bases made before the trace are appended: the loop reaches them too)
-  tokens: list[tuple] = []
-  append = tokens.append
+  positions = dict(zip(map(id, bases), range(len(bases))))   # id(base) -> position
+  headers: list[tuple] = []
+  args: list[Any] = []
+  counts: list[int] = []
+  references: list[tuple] = []
   leaves: list[Any] = []
   leaf_index: dict[int, int] = {}
-  for base in bases:
-    arg = base.arg
-    # (most args are None, ints or nonzero floats: no call to hashable_arg)
-    append((base.op, arg if arg is None or type(arg) in PLAIN_ARG_TYPES or (type(arg) is float and arg) else
-            hashable_arg(arg), base.dtype, base.device, base.shape))
-    for src in base.srcs:
+  done = 0
+  while done < len(bases):   # (a round per generation of bases made before the trace)
+    chunk = bases[done:]
+    done = len(bases)
+    headers += map(_header, chunk)
+    chunk_args = list(map(_arg, chunk))
+    for index in compress(count(), map(not_, map(_PLAIN_TYPES.__contains__, map(type, chunk_args)))):
+      arg = chunk_args[index]
+      # (a nonzero float is its own token; 0.0 and -0.0, tuples and other types go through hashable_arg)
+      if not (type(arg) is float and arg): chunk_args[index] = hashable_arg(arg)
+    args += chunk_args
+    chunk_srcs = list(map(_srcs, chunk))
+    counts += map(len, chunk_srcs)
+    flat = list(chain.from_iterable(chunk_srcs))
+    # a source's traced position: its own (a base) or else its base's (a view); None: not a traced base
+    found = list(map(positions.get, map(id, flat), map(positions.get, map(id, map(_base, flat)))))
+    chunk_references = list(zip(found, map(_st, flat)))
+    for index in compress(count(), map(_is_none, found)):
+      src = flat[index]
       source = src._base or src   # (a view's base, or the base itself; LazyBuffers are always true)
-      index = source._trace_index
-      # a traced base (unrealized: checked below). -1, not traced, never names the last base where every listed base
-      # is at its position (checked below too)
-      if index < count and bases[index] is source:
-        append((index, src.st))
+      position = positions.get(id(source))   # (appended by an earlier source of this round)
+      if position is not None:
+        chunk_references[index] = (position, src.st)
+        continue
+      inline = _INLINED.get(src)
+      if inline is not None and not source.forced_realize:
+        chunk_references[index] = inline
         continue
       buffer = source.realized
-      if buffer is None:
-        if source.op is _CONST and not source.srcs and not source.forced_realize:   # a constant only read
-          value = source.arg
-          append((_INLINE, value if type(value) in PLAIN_ARG_TYPES or (type(value) is float and value) else
-                  hashable_arg(value), source.dtype, source.device, source.shape, src.st))
-          continue
-        # a lazy base made before the trace (or a constant forced into memory): described after the ones listed
-        source._trace_index = count
+      if buffer is not None:
+        leaf = leaf_index.get(id(buffer))
+        if leaf is None:
+          leaf = leaf_index[id(buffer)] = len(leaves)
+          leaves.append(buffer)
+          chunk_references[index] = (-1 - leaf, src.st, source.shape, buffer.device, buffer.size, buffer.dtype,
+                                     type(buffer))
+        else: chunk_references[index] = (-1 - leaf, src.st, source.shape)
+      elif source.op is _CONST and not source.srcs and not source.forced_realize:   # a constant only read
+        value = source.arg
+        inline = chunk_references[index] = (_INLINE, value if type(value) in PLAIN_ARG_TYPES or
+                                            (type(value) is float and value) else hashable_arg(value), source.dtype,
+                                            source.device, source.shape, src.st)
+        if len(_INLINED) >= _INLINED_MAX: _INLINED.clear()
+        _INLINED[src] = inline
+      else:   # a lazy base made before the trace (or a constant forced into memory): described in the next round
+        position = source._trace_index = positions[id(source)] = len(bases)
         bases.append(source)
-        append((count, src.st))
-        count += 1
-        continue
-      leaf = leaf_index.get(id(buffer))
-      if leaf is None:
-        leaf = leaf_index[id(buffer)] = len(leaves)
-        leaves.append(buffer)
-        append((-1 - leaf, src.st, source.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
-      else: append((-1 - leaf, src.st, source.shape))
-  # every base at its position and unrealized, checked after the pass (a base another thread appended meanwhile is
-  # then not at its position, one its schedule realized is not unrealized)
-  count = len(bases)
-  if list(map(_position, bases)) != list(range(count)) or list(map(_realized, bases)).count(None) != count:
+        chunk_references[index] = (position, src.st)
+    references += chunk_references
+  # every base at its position and unrealized (a base another thread appended meanwhile is not at its position, one
+  # its schedule realized is not unrealized)
+  total = len(bases)
+  if list(map(_position, bases)) != list(range(total)) or list(map(_realized, bases)).count(None) != total:
     return False
-  trace.tokens, trace.forced, trace.leaves, trace.leaf_index = tokens, tuple(map(_forced, bases)), leaves, leaf_index
+  trace.tokens = (tuple(headers), tuple(args), tuple(counts), tuple(references))
+  trace.forced, trace.leaves, trace.leaf_index = tuple(map(_forced, bases)), leaves, leaf_index
   return True
