@@ -2,19 +2,24 @@
 finds its graph's schedule (engine/schedule_cache.py) without walking the graph (issue 26).
 
 Making a base with sources costs one append here (`record`: the base and its position, `LazyBuffer._trace_index`).
-A realize whose outputs are bases of the trace describes the trace in one pass over that list (`describe`), one tuple
-per base and one per source, told apart by their lengths: a base's op, arg, dtype, device and shape (5); a source
-that is a traced base, its position and the view (2); one whose base is realized, `-1 - leaf` (`leaf`: the buffer's
-position among the distinct buffers read, `Trace.leaves`), the view and the base's shape (3), and at the buffer's
-first read also its device, size, dtype and type (7); a constant that is only read, `_INLINE`, its value, dtype,
-device, shape and the view (6; a constant base has no sources and is not traced: the scheduler writes its value into
-each kernel reading it). A source that is an unrealized base made before the trace (a remembered constant graph such
-as max pooling's window ranks, a value kept across a realize) is appended to the trace there and described in turn.
-What needs no Python step per base is read by C loops (map) after the pass: that every base is at its position and
-unrealized (two threads appending at once make the trace inconsistent: that realize then walks its graph) and each
-base's forced-realize flag (`Trace.forced`). The description is of the bases as they are at the realize, as the
-walk's key is: the list holds every unrealized base below the outputs, sources referenced by position, so equal
-descriptions mean the scheduler makes the same decisions, as equal walk keys do.
+A realize whose outputs are bases of the trace describes the trace (`describe`) as four tuples: per base its op,
+dtype, device and shape; per base its arg; per base its source count; per source a reference, in the bases' order:
+a traced base's position and the view (2 items); for a realized buffer, `-1 - leaf` (`leaf`: the buffer's position
+among the distinct buffers read, `Trace.leaves`), the view and the base's shape (3), and at the buffer's first read
+also its device, size, dtype and type (7); for a constant that is only read, `_INLINE`, its value, dtype, device,
+shape and the view (6; a constant base has no sources and is not traced: the scheduler writes its value into each
+kernel reading it). A source that is an unrealized base made before the trace (a remembered constant graph such as
+max pooling's window ranks, a value kept across a realize) is appended to the trace there and described in turn.
+The bases' facts and the references to traced bases are gathered by C loops (map and zip over attrgetters): Python
+runs only for odd args and for sources that are not traced bases (a constant's reference is remembered by the
+LazyBuffer it is read through: `_INLINED`), so a repeated step's key costs a few C-speed
+passes over its bases rather than a Python step per base (issue 26 asks O(1) per kernel; this is O(bases) at C speed:
+the lists' order is the key, and nothing but looking at each base tells a new graph from a repeated one). C loops
+also check that every base is at its position and unrealized (two threads appending or scheduling at once make the
+trace inconsistent: that realize then walks its graph) and read each base's forced-realize flag (`Trace.forced`).
+The description is of the bases as they are at the realize, as the walk's key is: the list holds every unrealized
+base below the outputs, sources referenced by position, so equal descriptions mean the scheduler makes the same
+decisions, as equal walk keys do.
 
 The trace holds its bases (and through them their sources) until the next schedule takes it (`take`), which lets go
 of it before the copy-on-write decisions of assigns; bases a schedule itself makes go to a trace it drops
