@@ -151,14 +151,6 @@ def describe(trace: Trace) -> bool:
     for index in compress(count(), map(_is_none, found)):
       src = flat[index]
       source = src._base or src   # (a view's base, or the base itself; LazyBuffers are always true)
-      position = positions.get(id(source))   # (appended by an earlier source of this round)
-      if position is not None:
-        chunk_references[index] = (position, src.st)
-        continue
-      inline = _INLINED.get(src)
-      if inline is not None and not source.forced_realize:
-        chunk_references[index] = inline
-        continue
       buffer = source.realized
       if buffer is not None:
         leaf = leaf_index.get(id(buffer))
@@ -168,6 +160,8 @@ def describe(trace: Trace) -> bool:
           chunk_references[index] = (-1 - leaf, src.st, source.shape, buffer.device, buffer.size, buffer.dtype,
                                      type(buffer))
         else: chunk_references[index] = (-1 - leaf, src.st, source.shape)
+      elif (inline := _INLINED.get(src)) is not None and not source.forced_realize:
+        chunk_references[index] = inline
       elif source.op is _CONST and not source.srcs and not source.forced_realize:   # a constant only read
         value = source.arg
         inline = chunk_references[index] = (_INLINE, value if type(value) in PLAIN_ARG_TYPES or
@@ -176,8 +170,10 @@ def describe(trace: Trace) -> bool:
         if len(_INLINED) >= _INLINED_MAX: _INLINED.clear()
         _INLINED[src] = inline
       else:   # a lazy base made before the trace (or a constant forced into memory): described in the next round
-        position = source._trace_index = positions[id(source)] = len(bases)
-        bases.append(source)
+        position = positions.get(id(source))   # (appended by an earlier source of this round)
+        if position is None:
+          position = source._trace_index = positions[id(source)] = len(bases)
+          bases.append(source)
         chunk_references[index] = (position, src.st)
     references += chunk_references
   # every base at its position and unrealized (a base another thread appended meanwhile is not at its position, one
