@@ -412,22 +412,15 @@ def test_graphs_built_by_two_threads_at_once_are_right():
   assert not errors, errors
 
 
-def test_a_trace_whose_base_was_realized_or_moved_is_not_described():
-  """describe refuses (the realize then walks its graph) a trace holding a base realized since it was made (another
-  thread's schedule) or a base not at its position (two threads appending at once); the realize's values against
-  numpy."""
-  from ourgrad.device import Buffer
+def test_a_trace_with_a_base_not_at_its_position_is_not_described():
+  """describe refuses (the realize then walks its graph) a trace holding a base not at its position (two threads
+  appending at once); the realize's values against numpy."""
   lazy_trace.invalidate()
   x = Tensor(np.arange(4, dtype=np.float32)).realize()
   result = (x * 2 + 1).exp2()
   trace = lazy_trace._trace[0]
   assert trace is not None and lazy_trace.describe(trace)
-  first = trace.bases[0]
-  first.realized = Buffer(first.device, 4, first.dtype)
-  assert not lazy_trace.describe(trace)
-  first.realized = None
-  assert lazy_trace.describe(trace)
-  first._trace_index = 5
+  trace.bases[0]._trace_index = 5
   assert not lazy_trace.describe(trace)
   np.testing.assert_allclose(result.numpy(), np.exp2(np.arange(4, dtype=np.float32) * 2 + 1), rtol=1e-6)
 

@@ -258,12 +258,12 @@ def _trace_key(trace: lazy_trace.Trace, outs: Sequence[LazyBuffer], settings: tu
     references.append(index)
     references.append(out.st)
   if not lazy_trace.describe(trace): return None
-  tokens = (trace.tokens, trace.forced)
+  tokens = tuple(trace.tokens)
   # hashed by its length and outputs only (hashing every token calls each view's and dtype's Python __hash__; the
   # settings rarely differ): keys that share those are told apart by comparing their tokens and settings, which a hit
   # does once anyway
   references_key = tuple(references)
-  return _Key((tokens, references_key, settings), hash((len(trace.bases), references_key)))
+  return _Key((tokens, references_key, settings), hash((len(tokens), references_key)))
 
 
 def _in_trace_terms(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer],
