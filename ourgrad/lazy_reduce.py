@@ -537,14 +537,18 @@ def _fused_loads(lazy: LazyBuffer, limit: int | None = None) -> set[LazyBuffer]:
   """The buffers an elementwise expression reads (the bases it reaches through elementwise ops that are not realized
   or forced to be; constants are not loads): what a reduce of it loads for each element (split_reduce's model). With
   `limit`, the walk stops once it has found that many."""
+  # (LazyBuffers hash by identity and are always true: sets of the objects themselves, `_base or` for .base)
   loads: set[LazyBuffer] = set()
-  seen: set[int] = set()
-  stack = [lazy.base]
-  while stack and (limit is None or len(loads) < limit):
-    base = stack.pop()
-    if id(base) in seen: continue
-    seen.add(id(base))
+  seen: set[LazyBuffer] = set()
+  stack = [lazy._base or lazy]
+  pop, push, mark = stack.pop, stack.append, seen.add
+  while stack:
+    base = pop()
+    if base in seen: continue
+    mark(base)
     if base.realized is None and not base.forced_realize and base.op in ELEMENTWISE_OPS:
-      for src in base.srcs: stack.append(src if src._base is None else src._base)   # (.base without the property)
-    elif base.op is not _CONST: loads.add(base)
+      for src in base.srcs: push(src._base or src)
+    elif base.op is not _CONST:
+      loads.add(base)
+      if limit is not None and len(loads) >= limit: break
   return loads

@@ -42,29 +42,40 @@ def _second_device() -> str:
 
 
 def test_randomized_changes_never_reuse_a_stale_schedule():
+  """Random realizes changing one thing at a time: the input's buffer, its contents, its length, the view it is read
+  through (flipped), a constant, the dtype, the device, the expression, a 0-d scalar tensor for the constant, or
+  whether an intermediate (x + 1) is forced into memory after its readers were made; every result against numpy."""
   rng = np.random.default_rng(26)
   devices = [Device.DEFAULT, _second_device()]
   hits_before, traced_before = schedule_cache.stats.hits, schedule_cache.stats.traced_hits
-  inputs = {}   # (device, dtype) -> the realized input tensor now in use
+  inputs = {}   # (device, dtype, length) -> the realized input tensor now in use
   expression_index, constant, dtype, device = 0, 2, dtypes.float32, devices[0]
-  for _ in range(120):
-    change = rng.choice(["none", "buffer", "contents", "constant", "dtype", "device", "expression", "scalar"])
+  length, flipped, forced = 7, False, False
+  for _ in range(160):
+    change = rng.choice(["none", "buffer", "contents", "constant", "dtype", "device", "expression", "scalar", "length",
+                         "view", "force"])
     if change == "constant": constant = int(rng.choice([-3, 0, 1, 2, 5]))
     elif change == "dtype": dtype = dtypes.int32 if dtype == dtypes.float32 else dtypes.float32
     elif change == "device": device = devices[1] if device == devices[0] else devices[0]
     elif change == "expression": expression_index = int(rng.integers(len(EXPRESSIONS)))
-    key = (device, dtype)
+    elif change == "length": length = 9 if length == 7 else 7
+    elif change == "view": flipped = not flipped
+    elif change == "force": forced = not forced
+    key = (device, dtype, length)
     if key not in inputs or change == "buffer":   # a new buffer of new values
-      inputs[key] = Tensor(rng.integers(-9, 9, 7).astype(NUMPY_DTYPES[dtype]), device=device).realize()
+      inputs[key] = Tensor(rng.integers(-9, 9, length).astype(NUMPY_DTYPES[dtype]), device=device).realize()
     elif change == "contents":                     # the same buffer, written in place
-      inputs[key].assign(Tensor(rng.integers(-9, 9, 7).astype(NUMPY_DTYPES[dtype]), device=device)).realize()
-    x = inputs[key]
+      inputs[key].assign(Tensor(rng.integers(-9, 9, length).astype(NUMPY_DTYPES[dtype]), device=device)).realize()
+    x = inputs[key].flip(0) if flipped else inputs[key]
     ours, theirs = EXPRESSIONS[expression_index]
     # "scalar": the constant as a 0-d tensor (a realized buffer), not a Python number folded into the kernel
     c = Tensor(constant, dtype=dtype, device=device).realize() if change == "scalar" else constant
-    result = ours(x, c)
+    shifted = x + 1
+    result = ours(shifted, c)
+    if forced: shifted.contiguous()   # (after its readers were made: the realize must store it, not fuse it)
     assert result.device == device   # (a sum of int32 is int64, as in PyTorch: values are compared below)
-    np.testing.assert_array_equal(result.numpy(), _reference(theirs, x.numpy(), constant, dtype))
+    np.testing.assert_array_equal(result.numpy(), _reference(theirs, x.numpy() + 1, constant, dtype))
+    if forced: assert shifted.lazydata.base.realized is not None
   assert schedule_cache.stats.hits - hits_before >= 20   # the cache was in play, not bypassed
   assert schedule_cache.stats.traced_hits - traced_before >= 20   # found by the creation trace (lazy_trace.py)
 
@@ -399,6 +410,19 @@ def test_graphs_built_by_two_threads_at_once_are_right():
   for thread in threads: thread.start()
   for thread in threads: thread.join()
   assert not errors, errors
+
+
+def test_a_trace_with_a_base_not_at_its_position_is_not_described():
+  """describe refuses (the realize then walks its graph) a trace holding a base not at its position (two threads
+  appending at once); the realize's values against numpy."""
+  lazy_trace.invalidate()
+  x = Tensor(np.arange(4, dtype=np.float32)).realize()
+  result = (x * 2 + 1).exp2()
+  trace = lazy_trace._trace[0]
+  assert trace is not None and lazy_trace.describe(trace)
+  trace.bases[0]._trace_index = 5
+  assert not lazy_trace.describe(trace)
+  np.testing.assert_allclose(result.numpy(), np.exp2(np.arange(4, dtype=np.float32) * 2 + 1), rtol=1e-6)
 
 
 def test_a_trace_past_its_bound_is_dropped_and_the_realize_walks(monkeypatch):

@@ -201,3 +201,31 @@ def test_a_gpu_split_k_is_decided_once_per_device_facts(decisions: list[tuple],
   monkeypatch.setattr(renderer, "multiprocessors", 8)
   weight_gradient()
   assert len(decisions) > decided
+
+
+def _reference_loads(lazy: Any) -> set[int]:
+  """The ids of the bases an elementwise expression loads, by plain recursion (the definition _fused_loads walks)."""
+  base = lazy.base
+  if base.realized is None and not base.forced_realize and base.op in lazy_reduce.ELEMENTWISE_OPS:
+    return set().union(*(_reference_loads(src) for src in base.srcs))
+  return set() if base.op is Ops.CONST else {id(base)}
+
+
+def test_fused_loads_are_the_bases_an_expression_reads() -> None:
+  """lazy_reduce._fused_loads (what a GPU split's model counts) against a recursive reference on random elementwise
+  graphs over realized leaves, a forced base, a reduce and constants, shared subexpressions included; with a limit it
+  stops at that many loads, all of them loads."""
+  for _ in range(20):
+    leaves = [Tensor(rng.standard_normal((4, 6)).astype(np.float32)).realize() for _ in range(5)]
+    forced = (leaves[0] * 2).contiguous()
+    values = [*leaves, forced, leaves[1].sum(1, keepdim=True).expand(4, 6), Tensor.full((4, 6), 0.5)]
+    for _ in range(12):   # each new value reads two earlier ones (reused: a graph, not a tree)
+      a, b = (values[int(index)] for index in rng.integers(0, len(values), 2))
+      values.append([a + b, a * b, (a - b).relu(), a.maximum(b), (a * 1.5).exp2(), a.where(a > b, b)][rng.integers(6)])
+    lazy = values[-1].lazydata
+    expected = _reference_loads(lazy)
+    assert {id(base) for base in lazy_reduce._fused_loads(lazy)} == expected
+    for limit in (1, 2, 3):
+      limited = {id(base) for base in lazy_reduce._fused_loads(lazy, limit)}
+      assert len(limited) == min(limit, len(expected)) and limited <= expected
+    Tensor.realize_all(*values)   # (values against numpy are the suites' business: this realizes what was built)
