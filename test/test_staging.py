@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ourgrad import Tensor
-from ourgrad.runtime.staging import STAGING_ALIGNMENT, StagingRing
+from ourgrad.runtime.staging import MAX_IN_FLIGHT, STAGING_ALIGNMENT, StagingRing
 from helpers import device_opens
 
 
@@ -57,10 +57,22 @@ class SimulatedQueue:
         ctypes.memmove(staged, self.memory[offset:].ctypes.data, nbytes)
 
 
+class CheckedRing(StagingRing):
+  """A ring that checks each range it hands out against every transfer still queued (reserve looks at the oldest
+  ones only, on the ground that ranges go around the ring in order)."""
+
+  def reserve(self, nbytes: int) -> int:
+    start = super().reserve(nbytes)
+    queued = [(first, last) for first, last, fence in self.in_flight if not self.fences.done(fence)]
+    assert not [(first, last) for first, last in queued if first < start + nbytes and start < last], \
+      f"[{start}, {start + nbytes}) handed out while transfers on it are queued"
+    return start
+
+
 def make_ring(capacity: int, device_bytes: int) -> tuple[StagingRing, SimulatedQueue]:
   queue = SimulatedQueue(device_bytes)
   queue.pinned = (ctypes.c_uint8 * capacity)()   # the ring's memory, alive as long as the queue
-  return StagingRing(ctypes.addressof(queue.pinned), capacity, queue), queue
+  return CheckedRing(ctypes.addressof(queue.pinned), capacity, queue), queue
 
 
 def copy_in(ring: StagingRing, queue: SimulatedQueue, device_offset: int, data: np.ndarray) -> None:
@@ -121,6 +133,18 @@ def test_copies_in_wait_only_when_the_ring_is_full_of_queued_transfers():
   assert ring.waits == 0 and len(queue.queue) == 2 * per_ring
   copy_in(ring, queue, 300 * per_ring, np.full(300, per_ring, np.uint8))
   assert ring.waits == 1 and queue.completed_fences == 1, "only the oldest transfer was waited for"
+
+
+def test_many_small_copies_keep_few_fences_while_the_device_keeps_up():
+  ring, queue = make_ring(1 << 20, 1 << 16)
+  for index in range(3 * MAX_IN_FLIGHT):
+    copy_in(ring, queue, 4 * (index % 100), np.full(4, index % 251, np.uint8))
+    queue.run(2)
+    assert len(ring.in_flight) <= MAX_IN_FLIGHT
+  assert ring.waits == 0
+  ring, queue = make_ring(1 << 20, 1 << 16)
+  for index in range(2 * MAX_IN_FLIGHT): copy_in(ring, queue, 0, np.full(4, 1, np.uint8))
+  assert ring.waits == 0 and len(ring.in_flight) == 2 * MAX_IN_FLIGHT, "a busy device is not waited for"
 
 
 def test_a_copy_larger_than_a_chunk_goes_in_chunks():

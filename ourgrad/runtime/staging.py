@@ -22,6 +22,8 @@ from typing import Any, Callable, Protocol
 
 # a range starts at a multiple of this (DMA engines move aligned host memory fastest)
 STAGING_ALIGNMENT = 256
+# transfers remembered before the older half is forgotten (once completed)
+MAX_IN_FLIGHT = 256
 
 
 class Fences(Protocol):
@@ -54,34 +56,44 @@ class StagingRing:
     self.waits = 0   # how often a range had to wait for a transfer still queued (the ring was full)
 
   def reserve(self, nbytes: int) -> int:
-    """The offset of `nbytes` (at most a chunk) free bytes: the transfers that read them before have completed."""
+    """The offset of `nbytes` (at most a chunk) free bytes: the transfers that read them before have completed.
+
+    Ranges go around the ring in the order they are handed out, so the transfers in the way of a new range are the
+    oldest ones: those on it and, when it wraps to 0, those on the skipped end of the ring. Only they are looked
+    at (no driver call at all while the ring has room), and the newest of them is waited for: the queue is in
+    order, so the older ones have completed then too."""
     if not 0 < nbytes <= self.chunk_bytes:
       raise ValueError(f"{nbytes} bytes do not fit the staging ring's {self.chunk_bytes}-byte chunks")
-    self._retire_completed()
-    start = self.head if self.head + nbytes <= self.capacity else 0
+    wraps = self.head + nbytes > self.capacity
+    start = 0 if wraps else self.head
     end = start + nbytes
-    newest = -1
-    for index, (first, last, _) in enumerate(self.in_flight):
-      if first < end and start < last: newest = index
-    if newest >= 0:
-      # the queue is in order: once the newest transfer on the range has completed, every older one has too
-      self.waits += 1
-      self.fences.wait(self.in_flight[newest][2])
-      for _ in range(newest + 1): self.fences.release(self.in_flight.popleft()[2])
+    in_the_way = 0
+    for first, last, _ in self.in_flight:
+      if not (first < end and start < last) and not (wraps and first >= self.head): break
+      in_the_way += 1
+    if in_the_way: self._retire(in_the_way)
     self.head = min(self.capacity, -(-end // STAGING_ALIGNMENT) * STAGING_ALIGNMENT)
     return start
 
   def queued(self, start: int, nbytes: int) -> None:
     """A transfer reading `nbytes` at offset `start` was just queued: the range stays taken until it completes."""
     self.in_flight.append((start, start + nbytes, self.fences.record()))
+    if len(self.in_flight) > MAX_IN_FLIGHT:
+      # many small copies fill the ring slowly: forget the older half once it has completed (one query a copy
+      # until it has), so that the device's fences do not pile up
+      half = len(self.in_flight) // 2
+      if self.fences.done(self.in_flight[half - 1][2]): self._retire(half)
 
-  def _retire_completed(self) -> None:
-    """Forget the oldest transfers that have completed (one query when the oldest has not)."""
-    while self.in_flight and self.fences.done(self.in_flight[0][2]):
-      self.fences.release(self.in_flight.popleft()[2])
+  def _retire(self, count: int) -> None:
+    """Forget the `count` oldest transfers, after waiting for the last of them if it has not completed yet."""
+    fence = self.in_flight[count - 1][2]
+    if not self.fences.done(fence):
+      self.waits += 1
+      self.fences.wait(fence)
+    for _ in range(count): self.fences.release(self.in_flight.popleft()[2])
 
   def drain(self) -> None:
-    """Wait for every queued transfer and forget them all (before the ring's memory is freed)."""
+    """Wait for every queued transfer and forget them all."""
     if self.in_flight: self.fences.wait(self.in_flight[-1][2])
     while self.in_flight: self.fences.release(self.in_flight.popleft()[2])
 
