@@ -5,8 +5,8 @@ Each prefill is timed as bench_models.py times it: from the call to the logits o
 PyTorch eager's (bench_models.TorchLlama). The split of one eager call: graph building (Tensor ops, to the
 realize), the realize (schedule, lower, launch) and the wait for the GPU's remaining work and the read-back.
 
-Run: `python extra/bench/probe_prefill_overlap.py [--length 512] [--iters 5] [--every 1,5]` (CUDA); a CPU check:
-`--device CLANG --layers 2 --length 32`.
+Run: `python extra/bench/probe_prefill_overlap.py [--length 512] [--iters 5] [--every 1,5] [--sections loop,split]`
+(CUDA); a CPU check: `--device CLANG --layers 2 --length 32`.
 """
 from __future__ import annotations
 
@@ -78,25 +78,24 @@ def prefill_graph_every(model: Llama, every: int) -> Callable:
   return build
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--length", type=int, default=512)
-  parser.add_argument("--iters", type=int, default=5)
-  parser.add_argument("--every", default="1,5", help="comma-separated K: realize every K blocks")
-  parser.add_argument("--device", default="CUDA")
-  parser.add_argument("--layers", type=int, default=0, help="fewer blocks than SmolLM2's 30 (a CPU check)")
-  args = parser.parse_args()
-  upload_probe(args.device, 4096 if args.device == "CUDA" else 128)
-  set_float32_matmul_precision("highest")
-  config = dataclasses.replace(SMOLLM2_135M, n_layers=args.layers) if args.layers else SMOLLM2_135M
-  host_weights = random_llama_weights(config)
-  weights = {name: Tensor(value, device=args.device) for name, value in host_weights.items()}
-  Tensor.realize_all(*weights.values())
-  model = Llama(config, weights, args.length + 8, symbolic=False)
-  prompt = np.random.default_rng(0).integers(100, config.vocab_size, (1, args.length)).astype(np.int32)
-  sync = Device[args.device].synchronize
+def loop_ms(model: Llama, prompt: np.ndarray, sync: Callable[[], None], calls: int) -> tuple[float, float]:
+  """(wall ms a call of `calls` eager prefills in a row, synchronized at the end only; host ms a call, never
+  synchronized): bench_eager.py's prefill figures, where a call's copies-in may wait for the call before."""
+  sync()
+  start = time.perf_counter()
+  for _ in range(calls): model(prompt, 0)
+  sync()
+  wall = (time.perf_counter() - start) / calls
+  start = time.perf_counter()
+  for _ in range(calls): model(prompt, 0)
+  host = (time.perf_counter() - start) / calls
+  sync()
+  return wall * 1e3, host * 1e3
 
-  # one eager call split into graph building, realize and the wait for the logits
+
+def split_ms(model: Llama, prompt: np.ndarray, sync: Callable[[], None], iters: int) -> tuple[float, float, float]:
+  """One eager call from an idle device, split: (graph building, the rest of the call: inputs and the realize's
+  schedule, lower and launch, then the GPU's remaining work and the logits' read-back), medians in ms."""
   original = model._prefill_graph
   split: list[list[float]] = [[], [], []]
 
@@ -106,35 +105,70 @@ def main() -> None:
     split[0].append(time.perf_counter() - start)
     return logits
   model._prefill_graph = timed_graph
-  for _ in range(args.iters + 1):
-    sync()
-    start = time.perf_counter()
-    logits = model(prompt, 0)
-    returned = time.perf_counter()
-    logits.numpy()
-    split[1].append(returned - start)
-    split[2].append(time.perf_counter() - returned)
-  build, call, wait = (statistics.median(values[1:]) * 1e3 for values in split)
-  print(f"eager prefill of {args.length} tokens, one call: graph building {build:.2f} ms, the rest of the call "
-        f"(inputs, realize: schedule, lower, launch) {call - build:.2f} ms, then the GPU's remaining work and the "
-        f"read-back {wait:.2f} ms")
-  model._prefill_graph = original
-  rows = [("eager, as today", median_ms(lambda: model(prompt, 0).numpy(), args.iters))]
-  for every in (int(value) for value in args.every.split(",")):
-    model._prefill_graph = prefill_graph_every(model, every)
-    rows.append((f"eager, realized every {every} blocks", median_ms(lambda: model(prompt, 0).numpy(), args.iters)))
+  try:
+    for _ in range(iters + 1):
+      sync()
+      start = time.perf_counter()
+      logits = model(prompt, 0)
+      returned = time.perf_counter()
+      logits.numpy()
+      split[1].append(returned - start)
+      split[2].append(time.perf_counter() - returned)
+  finally:
     model._prefill_graph = original
-  rows.append(("TinyJit", median_ms(lambda: model(prompt, 0, jit=True).numpy(), args.iters + 2)))
-  import torch
-  reference = TorchLlama(config, host_weights, "cuda" if args.device == "CUDA" else "cpu",
-                         args.length + 8)
-  tokens = [int(token) for token in prompt[0]]
-  with torch.no_grad(): rows.append(("PyTorch eager", median_ms(lambda: reference(tokens, 0), args.iters)))
-  expected = reference(tokens, 0)
-  model._prefill_graph = prefill_graph_every(model, 1)
-  difference = float(np.abs(model(prompt, 0).numpy()[0] - expected).max())
-  for label, milliseconds in rows: print(f"  {label:<36} {milliseconds:8.2f} ms host to host")
-  print(f"max |logits realized every block - PyTorch| = {difference:.2e}")
+  build, call, wait = (statistics.median(values[1:]) * 1e3 for values in split)
+  return build, call - build, wait
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--length", type=int, default=512)
+  parser.add_argument("--iters", type=int, default=5)
+  parser.add_argument("--every", default="1,5", help="comma-separated K: realize every K blocks")
+  parser.add_argument("--device", default="CUDA")
+  parser.add_argument("--layers", type=int, default=0, help="fewer blocks than SmolLM2's 30 (a CPU check)")
+  parser.add_argument("--sections", default="upload,loop,split,every,jit,torch")
+  args = parser.parse_args()
+  sections = set(args.sections.split(","))
+  if "upload" in sections: upload_probe(args.device, 4096 if args.device == "CUDA" else 128)
+  set_float32_matmul_precision("highest")
+  config = dataclasses.replace(SMOLLM2_135M, n_layers=args.layers) if args.layers else SMOLLM2_135M
+  host_weights = random_llama_weights(config)
+  weights = {name: Tensor(value, device=args.device) for name, value in host_weights.items()}
+  Tensor.realize_all(*weights.values())
+  model = Llama(config, weights, args.length + 8, symbolic=False)
+  prompt = np.random.default_rng(0).integers(100, config.vocab_size, (1, args.length)).astype(np.int32)
+  sync = Device[args.device].synchronize
+  for _ in range(3): model(prompt, 0)   # compile, fill the schedule cache
+  print(f"eager prefill of {args.length} tokens, {config.n_layers} blocks:", flush=True)
+  if "loop" in sections:
+    wall, host = loop_ms(model, prompt, sync, args.iters * 2)
+    print(f"  in a loop (bench_eager.py's figures): wall {wall:.2f} ms a call, host {host:.2f} ms a call", flush=True)
+  if "split" in sections:
+    build, realize, wait = split_ms(model, prompt, sync, args.iters)
+    print(f"  one call from an idle device: graph building {build:.2f} ms, the rest of the call (inputs, realize: "
+          f"schedule, lower, launch) {realize:.2f} ms, then the GPU's remaining work and the read-back {wait:.2f} ms",
+          flush=True)
+
+  def row(label: str, milliseconds: float) -> None:
+    print(f"  {label:<36} {milliseconds:8.2f} ms host to host", flush=True)
+  row("eager, as today", median_ms(lambda: model(prompt, 0).numpy(), args.iters))
+  original = model._prefill_graph
+  if "every" in sections:
+    for every in (int(value) for value in args.every.split(",")):
+      model._prefill_graph = prefill_graph_every(model, every)
+      row(f"eager, realized every {every} blocks", median_ms(lambda: model(prompt, 0).numpy(), args.iters))
+      model._prefill_graph = original
+  if "jit" in sections: row("TinyJit", median_ms(lambda: model(prompt, 0, jit=True).numpy(), args.iters + 2))
+  if "torch" in sections:
+    import torch
+    reference = TorchLlama(config, host_weights, "cuda" if args.device == "CUDA" else "cpu", args.length + 8)
+    tokens = [int(token) for token in prompt[0]]
+    with torch.no_grad(): row("PyTorch eager", median_ms(lambda: reference(tokens, 0), args.iters))
+    expected = reference(tokens, 0)
+    model._prefill_graph = prefill_graph_every(model, 1)
+    difference = float(np.abs(model(prompt, 0).numpy()[0] - expected).max())
+    print(f"max |logits realized every block - PyTorch| = {difference:.2e}")
 
 
 if __name__ == "__main__":
