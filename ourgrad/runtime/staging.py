@@ -22,8 +22,9 @@ from typing import Any, Callable, Protocol
 
 # a range starts at a multiple of this (DMA engines move aligned host memory fastest)
 STAGING_ALIGNMENT = 256
-# transfers remembered before the older half is forgotten (once completed)
-MAX_IN_FLIGHT = 256
+# transfers remembered before the older half is forgotten (once completed): their fences (CUDA events) are then
+# reused, so a loop of small copies creates no event after its first few dozen copies
+MAX_IN_FLIGHT = 32
 
 
 class Fences(Protocol):
