@@ -2,11 +2,12 @@
 
 Kernels are compiled for the GPU's own architecture (sm_XX from its compute capability) straight to CUBIN, so
 the driver loads machine code and never has to JIT PTX from a newer NVRTC. Memory comes from plain cuMemAlloc;
-launches are asynchronous on one stream, and the host waits only when it needs data (copyout) or a timing.
-Host<->device copies go through a pinned staging buffer; copies of at most 64 KiB go straight from and to the
-caller's pageable memory (in: without waiting for the stream; out: one call that waits for the stream and copies).
-The calls of a replayed step's host path (small copies, graph launch, stream wait) go through ctypes (DirectCalls).
-Every driver call is checked: an error names the call.
+launches and copies-in are asynchronous on one stream, and the host waits only when it needs data (copyout) or a
+timing. Copies of at most 64 KiB go straight from and to the caller's pageable memory (in: the driver stages the
+bytes before it returns, without waiting for the stream; out: one call that waits for the stream and copies); larger
+ones go through a ring of pinned staging memory (runtime/staging.py). The calls of a replayed step's host path
+(small copies, graph launch, stream wait) go through ctypes (DirectCalls). Every driver call is checked: an error
+names the call.
 `pip install 'ourgrad[cuda]'` brings cuda-python and NVRTC; a driver must be installed.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import CUDA_DEPENDENT_LAUNCH, CUDA_PTX, DEBUG
 from ourgrad.renderer import GpuFacts
 from ourgrad.renderer.cuda import DYNAMIC_SHARED_SYMBOL, CUDARenderer, GridFootprint
+from ourgrad.runtime.staging import StagingRing
 
 try:
   from cuda.bindings import driver, nvrtc
@@ -67,13 +69,46 @@ def check(result: tuple, call: str) -> Any:
   return values[0] if len(values) == 1 else tuple(values)
 
 
+# pinned host memory each CUDA device stages its copies through (runtime/staging.py): copies larger than a quarter
+# of it go in chunks, so a model's weights need none of their own size
+STAGING_BYTES = 16 << 20
+
+
+class CUDAFences:
+  """CUDA events as a staging ring's fences (runtime/staging.py Fences), recorded on the device's stream and reused:
+  an event is created once and recorded again after it was released."""
+
+  def __init__(self, device: CUDADevice):
+    self.device = device
+    self.free: list[Any] = []
+
+  def record(self) -> Any:
+    # timing disabled: the cheapest event to record and query
+    event = self.free.pop() if self.free else check(
+      driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+    check(driver.cuEventRecord(event, self.device.stream), "cuEventRecord")
+    return event
+
+  def done(self, fence: Any) -> bool:
+    (status,) = driver.cuEventQuery(fence)
+    if status == driver.CUresult.CUDA_ERROR_NOT_READY: return False
+    check((status,), "cuEventQuery")
+    return True
+
+  def wait(self, fence: Any) -> None: check(driver.cuEventSynchronize(fence), "cuEventSynchronize")
+
+  def release(self, fence: Any) -> None: self.free.append(fence)
+
+
 class CUDAAllocator(LRUAllocator):
-  """Device memory with cuMemAlloc; copies through a pinned host buffer that grows as needed."""
+  """Device memory with cuMemAlloc. Copies go through a ring of pinned host memory (runtime/staging.py): a copy-in
+  copies the host bytes into the ring and queues the transfer on the device's stream, without waiting for the
+  device; a copy-out queues its transfer behind all earlier work and waits for it."""
 
   def __init__(self, device: CUDADevice):
     super().__init__()
     self.device = device
-    self.staging, self.staging_size = None, 0
+    self.ring: StagingRing | None = None   # made at the first copy
     self.memory_bytes: int | None = None   # the device's, asked once (device_memory_bytes)
     self.read_slots: dict[int, list[Any]] = {}   # copyout_later's free pinned slots by size
     self.read_events: list[Any] = []   # and its free events
@@ -92,12 +127,12 @@ class CUDAAllocator(LRUAllocator):
                                                                 "cuDeviceTotalMem"))
     return self.memory_bytes
 
-  def _staging(self, nbytes: int) -> int:
-    if nbytes > self.staging_size:
-      if self.staging is not None: check(driver.cuMemFreeHost(self.staging), "cuMemFreeHost")
-      self.staging_size = max(nbytes, 1 << 20)
-      self.staging = check(driver.cuMemHostAlloc(self.staging_size, 0), "cuMemHostAlloc")
-    return self.staging
+  def staging_ring(self) -> StagingRing:
+    if self.ring is None:
+      self.device.make_current()
+      address = int(check(driver.cuMemHostAlloc(STAGING_BYTES, 0), "cuMemHostAlloc"))
+      self.ring = StagingRing(address, STAGING_BYTES, CUDAFences(self.device))
+    return self.ring
 
   copyout_waits = True   # copyout queues its copy behind the stream's work and waits for it
 
@@ -105,13 +140,14 @@ class CUDAAllocator(LRUAllocator):
     if src.nbytes <= SMALL_COPY_BYTES:
       # straight from the caller's (pageable) memory: the driver takes the bytes into its own staging before it
       # returns and orders the copy on the stream, so the host does not wait for the work queued before it (a
-      # jitted step's per-call inputs upload while the previous step still runs)
+      # jitted step's per-call inputs upload while the previous step still runs); one driver call, no event
       self.device.direct.copy_in(int(dest), _host_address(src), src.nbytes)
       return
-    staging = self._staging(src.nbytes)
-    self.device.synchronize()  # the staging buffer may still feed an earlier copy
-    ctypes.memmove(staging, _host_address(src), src.nbytes)
-    check(driver.cuMemcpyHtoDAsync(dest, staging, src.nbytes, self.device.stream), "cuMemcpyHtoDAsync")
+    stream, base = self.device.stream, int(dest)
+
+    def transfer(staged: int, offset: int, nbytes: int) -> None:
+      check(driver.cuMemcpyHtoDAsync(base + offset, staged, nbytes, stream), "cuMemcpyHtoDAsync")
+    self.staging_ring().copy_in(_host_address(src), src.nbytes, transfer)
 
   def copyout_later(self, src: Any, nbytes: int) -> Callable[[memoryview], None]:
     """The copy into a pinned slot of its own (reused once read) and an event behind it: the reader waits for the
@@ -137,10 +173,11 @@ class CUDAAllocator(LRUAllocator):
       # one driver call is the wait and the copy (no staging buffer, no second copy on the host)
       self.device.direct.copy_out(_host_address(dest), int(src), dest.nbytes)
       return
-    staging = self._staging(dest.nbytes)
-    check(driver.cuMemcpyDtoHAsync(staging, src, dest.nbytes, self.device.stream), "cuMemcpyDtoHAsync")
-    self.device.synchronize()
-    ctypes.memmove(_host_address(dest), staging, dest.nbytes)
+    stream, base = self.device.stream, int(src)
+
+    def transfer(staged: int, offset: int, nbytes: int) -> None:
+      check(driver.cuMemcpyDtoHAsync(staged, base + offset, nbytes, stream), "cuMemcpyDtoHAsync")
+    self.staging_ring().copy_out(_host_address(dest), dest.nbytes, transfer)
 
 
 def _host_address(view: memoryview) -> int:
