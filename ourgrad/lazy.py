@@ -25,7 +25,7 @@ from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad import lazy_trace
 from ourgrad.lazy_reduce import build_reduce, reduce_plan
-from ourgrad.lazy_value import round_trip_source, value_source
+from ourgrad.lazy_value import is_exact, round_trip_source, value_source
 from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
 from ourgrad.shape.shapetracker import ShapeTracker, _identity_tracker
@@ -359,7 +359,7 @@ class LazyBuffer:
     if not bitcast and self.base.op is _CAST:
       # x.cast(wider).cast(x.dtype) is x, folded where x is a computation (as x * 1 is; lazy_value.py)
       source = round_trip_source(self, dtype)
-      if source is not None and _is_lazy(source): return source
+      if source is not None and _is_lazy(source) and is_exact(source): return source
     return LazyBuffer.create_base(self.device, self.shape, dtype, _BITCAST if bitcast else _CAST, dtype, (self,))
 
   def reduce(self, op: Ops, axes: tuple[int, ...], split: bool = True) -> LazyBuffer:

@@ -2,13 +2,14 @@
 
 `x.cast(float32).cast(bfloat16)` of a bfloat16 x gives back every value of x, bit for bit: float32 holds each
 bfloat16 value exactly (`dtype.can_cast_safely`), and rounding an exact value back is the identity. Where x is a
-computation (no stored memory), LazyBuffer.cast folds the pair to x, as it folds `x * 1`. Where x is a stored tensor
-the pair stays a value of its own (a later in-place write to x must not change it, docs/reliability.md), and so does
-the identity cast that autograd wraps a gradient naming stored memory in (tensor.py `_own_value`); the scheduler then
-drops the casts inside kernels (engine/schedule.py), and a kernel that reads its operands as whole buffers (the fused
-attention ops) reads x's memory through `value_source` instead of a copy of it. Reading x there is a read like any
-kernel's: the op is one of x's lazy readers, so a write to x before it runs snapshots the old contents first
-(engine/snapshot.py).
+computation (no stored memory), LazyBuffer.cast folds the pair to x, as it folds `x * 1`; except where kernels hold x
+with more precision than its dtype (`is_exact`: a fused 16-bit float op), where the pair is where x gets rounded.
+Where x is a stored tensor the pair stays a value of its own (a later in-place write to x must not change it,
+docs/reliability.md), and so does the identity cast that autograd wraps a gradient naming stored memory in
+(tensor.py `_own_value`); the scheduler then drops the casts inside kernels (engine/schedule.py), and a kernel that
+reads its operands as whole buffers (the fused attention ops) reads x's memory through `value_source` instead of a
+copy of it. Reading x there is a read like any kernel's: the op is one of x's lazy readers, so a write to x before it
+runs snapshots the old contents first (engine/snapshot.py).
 
 Nothing here imports lazy.py (which imports this): the functions take LazyBuffers and read their fields.
 """
@@ -17,10 +18,33 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ourgrad.dtype import DType, can_cast_safely
-from ourgrad.ops import Ops
+from ourgrad.ops import ELEMENTWISE_OPS, REDUCE_OPS, LazyOp, Ops
 
 if TYPE_CHECKING:
   from ourgrad.lazy import LazyBuffer
+
+
+# ops whose result a kernel computes: fused, a 16-bit float one is kept in float registers, not rounded to its dtype
+_COMPUTED_OPS = (ELEMENTWISE_OPS | REDUCE_OPS) - {Ops.CAST, Ops.BITCAST}
+
+
+def _kept_wider(dtype: DType) -> bool:
+  """Whether kernels may hold values of `dtype` with more precision than it has: C-like renderers compute 16-bit
+  floats in float registers and round only at a cast or a store (renderer/cstyle.py `floats_in_registers`)."""
+  return dtype.is_float and dtype.itemsize == 2
+
+
+def is_exact(buffer: LazyBuffer) -> bool:
+  """Whether every kernel sees `buffer`'s values exactly as its dtype holds them: so a round trip through a wider
+  dtype, which rounds to that dtype at its end, changes nothing. Not so for a 16-bit float op's result fused into a
+  kernel (`_kept_wider`); a cast's result (rounded by it), stored memory and a constant are exact."""
+  base = buffer.base
+  return not _kept_wider(buffer.dtype) or base.realized is not None or base.op not in _COMPUTED_OPS
+
+
+def is_exact_node(node: LazyOp) -> bool:
+  """`is_exact` for a node of a kernel's AST: a load, a constant, a cast's result, or any value of another dtype."""
+  return not _kept_wider(node.dtype) or node.op not in _COMPUTED_OPS
 
 
 def is_lossless_round_trip(narrow: DType, wide: DType) -> bool:

@@ -67,6 +67,8 @@ def test_jitted_attention_step_is_its_three_kernels(emulated_cuda, dtype):
     return [tensor.realize() for tensor in (out.transpose(1, 2), q.grad, k.grad, v.grad)]
 
   for _ in range(2): step(q, k, v, g)   # eager, then the capture
+  # a replay on another dO buffer: the backward kernels read the new one in place
+  g = Tensor(_random(batch, heads, length, head_dim, seed=9), device=DEVICE).cast(dtype).contiguous().realize()
   GlobalCounters.reset()
   results = step(q, k, v, g)
   assert GlobalCounters.kernel_count == 3
@@ -197,6 +199,19 @@ def test_round_trip_of_a_computation_is_the_computation(narrow, wide):
   assert x.cast(wide).cast(narrow).lazydata is x.lazydata
   # through views between the casts
   assert x.cast(wide).T.cast(narrow).lazydata.base is x.lazydata.base
+
+
+def test_round_trip_rounding_a_fused_16bit_op_stays():
+  """A 16-bit float op fused into a kernel is held in float registers (renderer/cstyle.py floats_in_registers): the
+  round trip is where its value gets rounded to bfloat16, so it stays, and the float32 math after it reads the
+  rounded product, as torch's bfloat16 multiply gives it."""
+  a, b = (Tensor(_random(64, seed=seed)).cast(dtypes.bfloat16).realize() for seed in (31, 32))
+  product = a * b
+  rounded = product.cast(dtypes.float32).cast(dtypes.bfloat16)
+  assert rounded.lazydata.base.op is Ops.CAST
+  got = (rounded.cast(dtypes.float32) * 3.0).numpy()
+  ta, tb = (torch.tensor(t.cast(dtypes.float32).numpy()).to(torch.bfloat16) for t in (a, b))
+  np.testing.assert_array_equal(got, ((ta * tb).float() * 3.0).numpy())
 
 
 def test_round_trips_that_lose_values_stay():
