@@ -49,12 +49,20 @@ def _realized_cast_ops(lazy_outputs: list) -> list[Ops]:
 
 # ---------------------------------------------------------------- the attention step under TinyJit
 
-@pytest.mark.parametrize("dtype", [dtypes.bfloat16, dtypes.float16])
-def test_jitted_attention_step_is_its_three_kernels(emulated_cuda, dtype):
+@pytest.mark.parametrize("dtype, emulate, head_dim", [(dtypes.bfloat16, "CUDA", 16), (dtypes.float16, "CUDA", 16),
+                                                      (dtypes.bfloat16, "CUDA_SM90", 64)])
+def test_jitted_attention_step_is_its_three_kernels(monkeypatch, dtype, emulate, head_dim):
   """The benchmark's step (extra/bench/bench_attention.py): O returned as (B, L, H, D) and the three gradients of a
   float32 loss; each replay runs the forward, dQ and dK/dV kernels only (no copy of O or of the gradients out of
-  the kernels' buffers, no cast round trip of dO), with torch's values."""
-  batch, heads, length, head_dim = 1, 2, 32, 16
+  the kernels' buffers, no cast round trip of dO), with torch's values. On sm_90 with D=64 the backward is the single
+  pass (dq, dk and dv in one buffer)."""
+  monkeypatch.setenv("FUSED_ATTENTION", "1")
+  monkeypatch.delenv("FUSED_ATTENTION_BACKWARD", raising=False)
+  with emulated_gpu_tf32(monkeypatch, emulate): _check_jitted_attention_step(dtype, head_dim)
+
+
+def _check_jitted_attention_step(dtype, head_dim: int) -> None:
+  batch, heads, length = 1, 2, 32
   arrays = [_random(batch, heads, length, head_dim, seed=seed) for seed in range(4)]
   q, k, v, g = (Tensor(array, device=DEVICE).cast(dtype).contiguous().realize() for array in arrays)
   for tensor in (q, k, v): tensor.requires_grad = True
