@@ -71,6 +71,11 @@ class Allocator:
   def shared_handle(self, handle: Any, nbytes: int) -> Any:
     """The first `nbytes` of the memory behind `handle`, as a handle of its own (the handle itself by default)."""
     return handle
+  # whether `offset_handle` names memory inside another buffer's (BufferView)
+  views_memory: bool = False
+  def offset_handle(self, handle: Any, offset: int, nbytes: int) -> Any:
+    """`nbytes` of the memory behind `handle` from byte `offset`, as a handle of its own (where views_memory)."""
+    raise NotImplementedError(f"{type(self).__name__} has no views into its buffers")
   def free_cache(self) -> None: pass
   def device_memory_bytes(self) -> int:
     """The device's memory in bytes, where the device says (0: unknown)."""
@@ -198,6 +203,9 @@ class HostAllocator(LRUAllocator):
     return ctypes.c_void_p(handle.ctypes.data)
 
   def shared_handle(self, handle: np.ndarray, nbytes: int) -> np.ndarray: return handle[:nbytes]
+  views_memory = True
+  def offset_handle(self, handle: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
+    return handle[offset:offset + nbytes]
 
   def copyin(self, dest: np.ndarray, src: memoryview) -> None:
     dest[:] = np.frombuffer(src, dtype=np.uint8)
@@ -341,6 +349,37 @@ class PendingRead:
       finish, self._finish = self._finish, None
       with MEMORY_LOCK: finish(memoryview(self._values).cast("B"))
     return self._values
+
+
+class BufferView(Buffer):
+  """`size` elements of `base`'s memory from element `offset`, no memory of its own (tinygrad's buffer view): what
+  reads one contiguous run of a bigger realized buffer (Tensor.numpy() of a slice, or of the fused attention's O
+  beside its logsumexp) copies out, with no kernel copying the run first. Only where the device's allocator names
+  memory inside a buffer (`Allocator.views_memory`); it reads `base` as it is when used, so it is made for one read
+  and dropped (it never outlives a write it should not see)."""
+
+  def __init__(self, base: Buffer, offset: int, size: int):
+    if offset < 0 or offset + size > base.size: raise ValueError(f"elements {offset}..{offset + size} of {base!r}")
+    super().__init__(base.device, size, base.dtype)
+    self.base, self.byte_offset = base, offset * base.dtype.itemsize
+    self._backing = base   # (its memory is base's: never given back to the allocator, never counted as used)
+
+  def allocate(self) -> BufferView:
+    with MEMORY_LOCK:
+      if self._handle is None:
+        self._handle = Device[self.device].allocator.offset_handle(self.base.handle, self.byte_offset,
+                                                                   max(self.nbytes, 1))
+        self._backing = self.base
+    return self
+
+  def release_memory(self) -> None: self._handle, self._pointer = None, None
+
+  def use_memory_of(self, backing: Buffer) -> None:
+    raise ValueError(f"{self!r} is a view of another buffer's memory: it cannot be given other memory")
+
+  def host_pointer(self) -> ctypes.c_void_p:
+    if self._pointer is None: self._pointer = ctypes.c_void_p(self.base.host_pointer().value + self.byte_offset)
+    return self._pointer
 
 
 # ---------------------------------------------------------------- compilers

@@ -25,6 +25,7 @@ from ourgrad.dtype import DType, dtypes, truncate
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad import lazy_trace
 from ourgrad.lazy_reduce import build_reduce, reduce_plan
+from ourgrad.lazy_value import is_exact, round_trip_source, value_source
 from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
 from ourgrad.shape.shapetracker import IDENTITY_TRACKERS, ShapeTracker
@@ -368,9 +369,14 @@ class LazyBuffer:
       raise DTypeError(f"bitcast needs dtypes of one size: {self.dtype} is {self.dtype.itemsize} bytes, "
                        f"{dtype} is {dtype.itemsize}")
     # a constant casts to a constant (const_value asked only of a constant's views: most casts are of computed values)
-    if not bitcast and (self if self._base is None else self._base).op is _CONST:
+    base_op = (self if self._base is None else self._base).op
+    if not bitcast and base_op is _CONST:
       value = self.const_value()
       if value is not None: return self.const_like(_truncated(dtype, value), dtype)
+    if not bitcast and base_op is _CAST:
+      # x.cast(wider).cast(x.dtype) is x, folded where x is a computation (as x * 1 is; lazy_value.py)
+      source = round_trip_source(self, dtype)
+      if source is not None and _is_lazy(source) and is_exact(source): return source
     return LazyBuffer.create_base(self.device, self.shape, dtype, _BITCAST if bitcast else _CAST, dtype, (self,))
 
   def reduce(self, op: Ops, axes: tuple[int, ...], split: bool = True) -> LazyBuffer:
@@ -508,10 +514,11 @@ class LazyBuffer:
   def attention(self, key: LazyBuffer, value: LazyBuffer, causal: bool, scale: float) -> LazyBuffer:
     """Fused attention of this (B, H, L, D) query with (B, Hk, S, D) keys and values (H a multiple of Hk): one
     buffer of this dtype: O laid out (B, L, H, D), then the bytes of the float32 natural-log logsumexp of each query
-    row, (B, H, L) (codegen/attention.py). Each operand is read in place through its strides where its view is one
-    unmasked View of a buffer; otherwise it is made contiguous first. The caller (tensor_attention.py) checks the
-    shapes."""
-    operands = tuple(operand if _reads_in_place(operand) else operand.contiguous() for operand in (self, key, value))
+    row, (B, H, L) (codegen/attention.py). Each operand (or the stored buffer it has every value of: lazy_value.py)
+    is read in place through its strides where its view is one unmasked View of a buffer; else made contiguous
+    first. The caller (tensor_attention.py) checks the shapes."""
+    operands = tuple(operand if _reads_in_place(operand) else operand.contiguous()
+                     for operand in map(value_source, (self, key, value)))
     batch, heads, length, head_dim = self.shape
     lse_elements = batch * heads * length * 4 // self.dtype.itemsize   # float32 values in this dtype's elements
     return LazyBuffer.create_base(self.device, (batch * length * heads * head_dim + lse_elements,), self.dtype,
@@ -524,8 +531,9 @@ class LazyBuffer:
     Ops.ATTENTION buffer their forward wrote (O and LSE) and `grad_out` dO (B, H, L, D) in the operands' dtype: two
     kernels (codegen/attention_grad.py). Returns (one buffer of this dtype: dq (B, H, L, D) contiguous, then the
     bytes of the float32 delta (B, H, L); one buffer of this dtype: dk then dv, each (B, Hk, S, D) contiguous).
-    Operands are read in place where their view allows it (`_reads_in_place`, the last dim contiguous, a 16-byte
-    aligned start), else made contiguous.
+    Operands (or the stored buffers they have every value of: lazy_value.py, dO = g.cast(float32).cast(bfloat16) is
+    g) are read in place where their view allows it (`_reads_in_place`, the last dim contiguous, a 16-byte aligned
+    start), else made contiguous.
     `packed` (q, k, v tile one base: `tiles_one_base`): both ops write ONE buffer, the base's elements then delta's
     bytes, dq, dk and dv stored through q, k and v's views (the gradient of the base, in its own layout: no
     concatenation); the dK/dV op writes into the dQ op's buffer (engine/schedule.py gives them one) and is returned
@@ -537,7 +545,7 @@ class LazyBuffer:
     operand's rows are not 16-byte aligned (the wgmma kernels' copies)."""
     if packed and not tiles_one_base(self, key, value): raise AssertionError("packed gradients need tiled operands")
     q, k, v, do = (operand if _reads_in_place_by_rows(operand) else operand.contiguous()
-                   for operand in (self, key, value, grad_out))
+                   for operand in map(value_source, (self, key, value, grad_out)))
     batch, heads, length, head_dim = self.shape
     kv_elements = batch * key.shape[1] * key.shape[2] * head_dim
     delta_elements = batch * heads * length * 4 // self.dtype.itemsize   # float32 values in this dtype's elements

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ourgrad import function as F
-from ourgrad.device import Buffer, Device
+from ourgrad.device import Buffer, BufferView, Device
 from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits
 from ourgrad.engine.exec_item import jit_recording
 # modules, not their functions: realize looks them up at each call, so tools and tests that wrap them see every call
@@ -269,10 +269,14 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
     """The realized, contiguous buffer of this tensor's values."""
     lazy = self.lazydata
     if isinstance(lazy, MultiLazyBuffer): lazy = lazy.gather(lazy.device[0])
-    # a contiguous view of the whole base (the base or a reshape of it) reads the base's memory as it is: no copy
-    if not (lazy.st.contiguous and lazy.size == lazy.base.size): lazy = lazy.contiguous()
+    # a contiguous view of the whole base (the base or a reshape of it) reads the base's memory as it is: no copy;
+    # nor one contiguous run of a stored base (a slice, the fused attention's O): a view of its memory
+    run = None
+    if not (lazy.st.contiguous and lazy.size == lazy.base.size):
+      run = engine_realize.stored_run(lazy)
+      if run is None: lazy = lazy.contiguous()
     if lazy.base.realized is None: Tensor(lazy).realize()
-    return lazy.base.realized
+    return lazy.base.realized if run is None else BufferView(lazy.base.realized, *run)
 
   def numpy(self) -> np.ndarray:
     """The values as a numpy array (bfloat16 comes back as float32, which holds it exactly)."""

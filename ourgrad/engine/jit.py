@@ -254,14 +254,25 @@ def _check_distinct(paths: list[str], buffers: list[Buffer]) -> None:
     seen[id(buffer)] = path
 
 
+def _output_range(lazy: LazyBuffer) -> tuple[int, int] | None:
+  """(first element, element count) of the base's memory that an output reads in row-major order, when that is one
+  contiguous run of a base with fixed sizes (the base, a reshape of it, a slice of its leading axis, a part of a
+  kernel's output buffer such as the fused attention's O or one of its gradients); None otherwise."""
+  if any(isinstance(size, Node) for size in (*lazy.shape, *lazy.base.shape)): return None
+  run = lazy.base_range()
+  return run if run is not None and isinstance(run[0], int) else None
+
+
 def _contiguous_outputs(value: Any, path: str, outputs: list[Tensor]) -> Any:
-  """`value` (a function's result) with each Tensor that is a view made contiguous; appends the Tensors to
-  `outputs` in order. A module-level function, not a closure calling itself: such a closure is a reference cycle
-  (function -> cell -> function) that would keep `outputs`, and the device buffers of its Tensors, alive until the
-  cyclic collector runs."""
+  """`value` (a function's result) with each Tensor that is a view made contiguous, except a view of one contiguous
+  run of its base (`_output_range`): a replay returns that as the same view of the buffer, no copy kernel. Appends
+  the Tensors to `outputs` in order. A module-level function, not a closure calling itself: such a closure is a
+  reference cycle (function -> cell -> function) that would keep `outputs`, and the device buffers of its Tensors,
+  alive until the cyclic collector runs."""
   if isinstance(value, Tensor):
-    if not value.lazydata.is_base and not (value.lazydata.st.contiguous and
-                                           value.lazydata.size == value.lazydata.base.size):
+    lazy = value.lazydata
+    if not lazy.is_base and not (lazy.st.contiguous and lazy.size == lazy.base.size) and \
+        (type(lazy) is not LazyBuffer or _output_range(lazy) is None):
       value = value.contiguous()
     outputs.append(value)
     return value
@@ -321,6 +332,8 @@ class CapturedJit:
     # every (item, argument) slot holding each input buffer
     self.input_slots = [self._slots_of(buffer) for buffer in input_buffers]
     self.output_shapes = [_unbound_shape(tensor.shape) for tensor in outputs]  # bound again per replay
+    # (first element, count) of the buffer each output that is a part of one reads (None: all of it)
+    self.output_ranges = [_part_range(tensor.lazydata) for tensor in outputs]
     self.output_symbolic = [any(isinstance(size, Node) for size in shape) for shape in self.output_shapes]
     self.var_vals: dict[str, int] = {}
     self.output_requires_grad = [tensor.requires_grad for tensor in outputs]
@@ -333,6 +346,13 @@ class CapturedJit:
     self.owned_outputs = [index for index, buffer in enumerate(self.output_buffers)
                           if self.output_inputs[index] is None and id(buffer) in made_here]
     self.owned_ids = {id(self.output_buffers[index]) for index in self.owned_outputs}
+    # outputs whose buffer a replay writes: the owned ones, and a part of state the capture writes in place (a cache
+    # slice): their lazy readers get the old contents before a replay (_protect_lazy_readers)
+    written = _written(items)
+    self.overwritten_outputs = [index for index, buffer in enumerate(self.output_buffers)
+                                if index in self.owned_outputs or (self.output_inputs[index] is None and
+                                                                   self.output_ranges[index] is not None
+                                                                   and id(buffer) in written)]
     # the base each output is returned with (reused while its buffer and shape stay), and every base given out for
     # an owned output (weakly): their lazy readers are protected before a replay overwrites the buffer
     self.output_lazies: list[LazyBuffer | None] = [None] * len(outputs)
@@ -409,7 +429,7 @@ class CapturedJit:
     engine/snapshot.py). A Tensor that is the earlier output itself is an alias of the buffer and sees new values."""
     # the creation trace holds every base made since the last schedule: a reader the user dropped must not look alive
     lazy_trace.invalidate()
-    for index in self.owned_outputs:
+    for index in self.overwritten_outputs:
       for ref in self.given_out[index]:
         lazy = ref()
         if lazy is None or not lazy._readers: continue
@@ -439,14 +459,20 @@ class CapturedJit:
     input_index = self.output_inputs[index]
     buffer = self.output_buffers[index] if input_index is None else self.input_buffers[input_index]
     lazy = self.output_lazies[index]
-    if lazy is None or lazy.realized is not buffer or self.output_symbolic[index]:
+    if lazy is None or lazy.base.realized is not buffer or self.output_symbolic[index]:
       shape = tuple(sym_bind(size, self.var_vals) for size in self.output_shapes[index]) \
         if self.output_symbolic[index] else self.output_shapes[index]
-      lazy = self.output_lazies[index] = LazyBuffer.from_buffer(buffer, shape)
+      part = self.output_ranges[index]
+      if part is None:
+        lazy = LazyBuffer.from_buffer(buffer, shape)
+      else:   # a view of its run of the whole buffer (outputs that are parts of one buffer each get a base of it)
+        start, count = part
+        lazy = LazyBuffer.from_buffer(buffer, (buffer.size,)).shrink(((start, start + count),)).reshape(shape)
+      self.output_lazies[index] = lazy
       if input_index is None:
         given_out = self.given_out[index]
         if len(given_out) > 8: given_out[:] = [ref for ref in given_out if ref() is not None]
-        given_out.append(weakref.ref(lazy))
+        given_out.append(weakref.ref(lazy.base))
     return Tensor(lazy, requires_grad=self.output_requires_grad[index])
 
   def _rebuild_result(self) -> Any:
@@ -460,6 +486,17 @@ class CapturedJit:
     if isinstance(value, (list, tuple)): return type(value)(self._fill_template(item, outputs) for item in value)
     if isinstance(value, dict): return {key: self._fill_template(item, outputs) for key, item in value.items()}
     return value
+
+
+def _part_range(lazy: LazyBuffer) -> tuple[int, int] | None:
+  """The run of its base's buffer that an output reads when it is not all of it (`_output_range`), else None."""
+  if type(lazy) is not LazyBuffer or lazy.is_base or (lazy.st.contiguous and lazy.size == lazy.base.size): return None
+  return _output_range(lazy)
+
+
+def _written(items: list[ExecItem]) -> set[int]:
+  """ids of the buffers some item of `items` writes."""
+  return {id(buffer) for item in items for buffer in item.bufs[:item.outputs]}
 
 
 def _first_written(items: list[ExecItem]) -> set[int]:

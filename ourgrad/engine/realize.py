@@ -25,7 +25,8 @@ from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runne
   quiet_launches  # noqa: F401 (re-exported)
 from ourgrad.engine.memory import RecordedPlan, held_only_by_items, plan_memory, unheld_buffers
 from ourgrad.engine.profile import host_phase
-from ourgrad.engine.schedule import ScheduleItem
+from ourgrad.engine.schedule import ALWAYS_REALIZED_OPS, ScheduleItem
+from ourgrad.lazy import LazyBuffer
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import BEAM, DEBUG, RUNNER_CACHE_SIZE, BoundedCache, GlobalCounters, env_var, prod, tf32_allowed
 from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
@@ -413,3 +414,16 @@ def run_schedule(schedule: list[ScheduleItem]) -> None:
       # here, not at the top: compile_ahead builds on this module's kernel cache and rendering
       from ourgrad.engine.compile_ahead import compile_ahead
       ahead = compile_ahead(schedule, index + 1)
+
+
+def stored_run(lazy: LazyBuffer) -> tuple[int, int] | None:
+  """(first element, count) of the one contiguous run of its base's buffer that `lazy`, a view, reads, where that
+  base is stored whatever reads it (realized already, or a kernel's output buffer: the fused attention's, a copy, a
+  contiguous()) and the device's allocator names memory inside a buffer: then a device.BufferView of the run is read
+  with no kernel copying it out first (Tensor.numpy() of a slice, of the fused attention's O). None for anything
+  else: a strided view, or a base still to compute, whose contiguous copy computes only the elements read."""
+  base = lazy.base
+  if lazy.is_base or lazy.st.symbolic or not Device[lazy.device].allocator.views_memory: return None
+  if base.realized is None and base.op not in ALWAYS_REALIZED_OPS: return None
+  run = lazy.base_range()
+  return run if run is not None and all(isinstance(value, int) for value in run) else None

@@ -40,6 +40,7 @@ from ourgrad.engine.snapshot import protect_lazy_readers
 from ourgrad.engine.store_or_recompute import _is_per_row_value, _reconsider_reduce_stores, _store_or_recompute
 from ourgrad.helpers import DEBUG, GRAPH, KERNEL_OPS_LIMIT, prod
 from ourgrad.lazy import LazyBuffer, walk_bases
+from ourgrad.lazy_value import is_exact_node, is_lossless_round_trip
 from ourgrad.ops import (ATTENTION_OPS, ELEMENTWISE_OPS, REDUCE_OPS, UNSAFE_PAD_OPS, ConstBuffer, LazyOp, MemBuffer,
                          Ops, is_identity_constant)
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -485,9 +486,17 @@ def _schedule_group(group: list[LazyBuffer], realizes: Realizations) -> tuple[Sc
 
 
 def _identity_operand(op: Ops, srcs: tuple[LazyOp, ...], dtype: DType) -> LazyOp | None:
-  """The operand of `x * 1` or `x + (-0.0)` (0 for integers) in a kernel's AST, which computes x. lazy.py keeps
-  these ops as bases where x is a stored tensor (the result is a new tensor, which a later write into x must not
-  change: engine/snapshot.py protects it as a reader); inside a kernel they are x itself."""
+  """The operand of `x * 1` or `x + (-0.0)` (0 for integers) in a kernel's AST, which computes x; likewise x of an
+  identity cast and of a lossless round trip x.cast(wider).cast(x.dtype) (lazy_value.py). lazy.py keeps these ops as
+  bases where x is a stored tensor (the result is a new tensor, which a later write into x must not change:
+  engine/snapshot.py protects it as a reader); inside a kernel they are x itself."""
+  if op is Ops.CAST and len(srcs) == 1:   # (not where the cast is what rounds a value held wider: is_exact_node)
+    inner = srcs[0]
+    if inner.dtype == dtype: return inner if is_exact_node(inner) else None
+    if inner.op is Ops.CAST and inner.srcs[0].dtype == dtype and is_lossless_round_trip(dtype, inner.dtype) and \
+        is_exact_node(inner.srcs[0]):
+      return inner.srcs[0]
+    return None
   if op not in (Ops.MUL, Ops.ADD) or len(srcs) != 2: return None
   for operand, other in ((srcs[0], srcs[1]), (srcs[1], srcs[0])):
     if other.op is not Ops.CONST or operand.dtype != dtype or other.dtype != dtype: continue

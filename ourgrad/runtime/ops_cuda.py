@@ -122,6 +122,9 @@ class CUDAAllocator(LRUAllocator):
 
   def _free(self, handle: Any, nbytes: int) -> None: check(driver.cuMemFree(handle), "cuMemFree")
 
+  views_memory = True
+  def offset_handle(self, handle: Any, offset: int, nbytes: int) -> Any: return driver.CUdeviceptr(int(handle) + offset)
+
   def device_memory_bytes(self) -> int:
     if self.memory_bytes is None: self.memory_bytes = int(check(driver.cuDeviceTotalMem(self.device.cu_device),
                                                                 "cuDeviceTotalMem"))
