@@ -59,6 +59,17 @@ def test_staged_tiles_read_back_through_the_descriptors(block_n, head_dim):
     np.testing.assert_array_equal(got, tile[16 * j:16 * j + 16].T)
 
 
+def test_shifted_descriptor_is_the_descriptor_of_the_shifted_address():
+  """attention_wgmma.shifted_descriptor (a tile's descriptor plus offset / 16) gives the descriptor
+  wgmma_tiles.descriptor builds of the operand's own address, for every 16-byte offset of a tile in shared memory."""
+  from ourgrad.codegen.attention_wgmma import shifted_descriptor
+  assert shifted_descriptor("k_stage", 96, 16, 1024) == \
+      "(wgmma_descriptor(k_stage, 16, 1024) + (unsigned long long)((96) >> 4))"
+  for address in (0, 1024, 0x1c000, 0x37000):
+    for offset in range(0, 0x7000, 16 * 37):
+      assert descriptor(address, 16, 1024) + (offset >> 4) == descriptor(address + offset, 16, 1024)
+
+
 def _plan(dtype, head_dim: int = 64, renderer=None, offset: int = 0, length: int = 1024, batch: int = 4):
   heads = 12
   operand = Operand(1, offset, (heads * length * head_dim, length * head_dim, head_dim, 1))
@@ -183,7 +194,11 @@ def test_cuda_source_compiles_for_sm90a_without_spills(monkeypatch, dtype, causa
               dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, consumer_registers=232),
               dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232),
               dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232,
-                                  pingpong=True, exp_poly=4)]
+                                  pingpong=True, exp_poly=4),
+              # the eager softmax (no vote, a rescale every tile) beside the rule's lazy one
+              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232,
+                                  pingpong=True, rescale_slack=0.0)]
+  assert plan.rescale_slack > 0
   for variant in variants:
     source_text = render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1})
     assert "wgmma.mma_async" in source_text and NVRTC.target(source_text) == "sm_90a"

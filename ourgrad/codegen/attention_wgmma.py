@@ -317,6 +317,14 @@ def copy_tile_lines(plan: AttentionPlan, thread: str = "threadIdx.x", threads: i
           "  };"]
 
 
+def shifted_descriptor(address: str, offset, lbo: int, sbo: int) -> str:
+  """The descriptor of the operand `offset` bytes after shared address `address`: `address`'s own descriptor plus
+  offset / 16 (its start field counts 16 bytes; an operand inside shared memory never carries out of it). The unrolled
+  wgmmas of one tile then share one descriptor and add constants, where each built its own (about three uniform
+  instructions a wgmma, ~30 a tile of the forward)."""
+  return f"(wgmma_descriptor({address}, {lbo}, {sbo}) + (unsigned long long)(({offset}) >> 4))"
+
+
 def _scores_issue_lines(plan: AttentionPlan) -> list[str]:
   """S = Q K^T of the warpgroup's 64 rows and the tile's keys issued (scores[0][n][i] is accumulator element 4 n + i):
   the fence that orders the registers' earlier writes before the wgmmas, one wgmma per 16 of D (the first one not
@@ -325,13 +333,14 @@ def _scores_issue_lines(plan: AttentionPlan) -> list[str]:
   lbo, sbo = key_strides()
   start = key_slice_start(plan.block_n, CExpr("j"))
   # q_shared: this warpgroup's 64 rows of the Q tile, slice j as K's
-  queries = (f"wgmma_descriptor(q_tile + (threadIdx.x / 128) * {WARPGROUP_ROWS * ROW_BYTES} + "
-             f"{key_slice_start(plan.block_m, CExpr('j'))}, {lbo}, {sbo})" if plan.q_shared else "q_fragments[0][j]")
+  queries = (shifted_descriptor(f"q_tile + (threadIdx.x / 128) * {WARPGROUP_ROWS * ROW_BYTES}",
+                                key_slice_start(plan.block_m, CExpr('j')), lbo, sbo)
+             if plan.q_shared else "q_fragments[0][j]")
   return [f"    float scores[1][{n_tiles}][4];",
           "    wgmma_fence();",
           "#pragma unroll",
           f"    for (int j = 0; j < {plan.head_dim // 16}; j++)",
-          f"      wgmma_scores(&scores[0][0][0], {queries}, wgmma_descriptor(k_stage + {start}, {lbo}, {sbo}), j > 0);",
+          f"      wgmma_scores(&scores[0][0][0], {queries}, {shifted_descriptor('k_stage', start, lbo, sbo)}, j > 0);",
           "    wgmma_commit();"]
 
 
@@ -361,7 +370,7 @@ def _values_issue_lines(plan: AttentionPlan, values: str, indent: str = "    ") 
   start = value_slice_start(CExpr("kk"))
   return ["#pragma unroll",
           f"{indent}for (int kk = 0; kk < {plan.block_n // 16}; kk++)",
-          f"{indent}  wgmma_values(&outputs[0][0][0], p[kk], wgmma_descriptor({values} + {start}, {lbo}, {sbo}), 1);",
+          f"{indent}  wgmma_values(&outputs[0][0][0], p[kk], {shifted_descriptor(values, start, lbo, sbo)}, 1);",
           f"{indent}wgmma_commit();"]
 
 
