@@ -197,7 +197,10 @@ def test_cuda_source_compiles_for_sm90a_without_spills(monkeypatch, dtype, causa
                                   pingpong=True, exp_poly=4),
               # the eager softmax (no vote, a rescale every tile) beside the rule's lazy one
               dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232,
-                                  pingpong=True, rescale_slack=0.0)]
+                                  pingpong=True, rescale_slack=0.0),
+              # Q staged in shared memory by each consumer warpgroup
+              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232,
+                                  pingpong=True, q_shared=True)]
   assert plan.rescale_slack > 0
   for variant in variants:
     source_text = render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1})

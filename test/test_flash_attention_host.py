@@ -217,3 +217,18 @@ def test_lazy_rescale_on_host(slack, config):
   assert plan.rescale_slack == slack and plan.query_blocks > 1
   assert o_error < TOLERANCES["bfloat16"], (plan, o_error)
   assert lse_error < 2e-2, (plan, lse_error)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", [(192, 32, 3, True, True), (128, 64, 2, False, False)],
+                         ids=lambda c: "m{}_n{}_s{}_o{:d}_p{:d}".format(*c))
+def test_wgmma_producer_with_q_in_shared_memory_on_host(causal, config):
+  """plan.producer with q_shared: each consumer warpgroup stages its own 64 query rows (rows past L as zeros) and
+  reads S's A operand through a descriptor; three consumers taking turns, two without overlap; odd lengths."""
+  block_m, block_n, stages, overlap, pingpong = config
+  plan, o_error, lse_error = _run("bfloat16", causal, 2, 2, 1, 83 if causal else 70, 83 if causal else 131, 64,
+                                  seed=11, mma="wgmma", block_m=block_m, block_n=block_n, stages=stages,
+                                  overlap=overlap, producer=True, min_ctas=1, pingpong=pingpong, q_shared=True)
+  assert plan.q_shared and plan.threads == block_m * 2 + 128
+  assert o_error < TOLERANCES["bfloat16"], (plan, o_error)
+  assert lse_error < 2e-2, (plan, lse_error)

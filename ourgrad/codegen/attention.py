@@ -177,7 +177,8 @@ class AttentionPlan:
   def fragment_registers(self) -> int:
     """Registers per thread of Q's A fragments, O's and S's accumulators (FRAGMENT_REGISTERS)."""
     k_step, a_registers, _ = MMA_SHAPES[self.dtype]
-    return (self.head_dim // k_step * a_registers + self.head_dim // 2 + self.block_n // 2) * self.warp_tiles
+    queries = 0 if self.q_shared else self.head_dim // k_step * a_registers
+    return (queries + self.head_dim // 2 + self.block_n // 2) * self.warp_tiles
 
   @property
   def group(self) -> int:
@@ -267,9 +268,8 @@ def _checked(plan: AttentionPlan) -> AttentionPlan:
                      "(2 with a producer warpgroup)")
   if plan.q_shared and (plan.mma != "wgmma" or not plan.q.vector_aligned(COPY_BYTES // plan.itemsize)):
     raise ShapeError(f"Q in shared memory with {plan.mma}, q {plan.q}: want wgmma and 16-byte aligned rows")
-  if plan.producer and (plan.mma != "wgmma" or plan.q_shared or plan.stages < 2):
-    raise ShapeError(f"a producer warpgroup with {plan.mma}, q_shared {plan.q_shared}, {plan.stages} stages: want "
-                     "wgmma, Q in registers and 2 stages or more")
+  if plan.producer and (plan.mma != "wgmma" or plan.stages < 2):
+    raise ShapeError(f"a producer warpgroup with {plan.mma}, {plan.stages} stages: want wgmma and 2 stages or more")
   if plan.pingpong and not (plan.producer and plan.overlap and plan.block_m >= 2 * attention_wgmma.WARPGROUP_ROWS):
     raise ShapeError(f"ping-pong of {plan.block_m // attention_wgmma.WARPGROUP_ROWS} consumer warpgroups, producer "
                      f"{plan.producer}, overlap {plan.overlap}: want a producer, overlap and 2 warpgroups or more")
@@ -797,7 +797,8 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
     f"  const float scale_log2 = {plan.scale * LOG2_E!r}f;",
     # (a producer warpgroup copies the tiles from here on and leaves; the consumers go on)
     *([f"  int tiles = {tiles};", *attention_wgmma.producer_lines(plan)] if plan.producer else []),
-    *([] if plan.q_shared else _q_fragment_lines(plan)),
+    *(attention_wgmma.own_q_lines(plan) if plan.q_shared and plan.producer else
+      [] if plan.q_shared else _q_fragment_lines(plan)),
     f"  float outputs[{plan.warp_tiles}][{plan.head_dim // 8}][4], row_max[{plan.warp_tiles}][2], "
     f"row_sum[{plan.warp_tiles}][2];",
     "#pragma unroll",

@@ -295,6 +295,27 @@ def copy_q_lines(plan: AttentionPlan) -> list[str]:
           "  }"]
 
 
+def own_q_lines(plan: AttentionPlan) -> list[str]:
+  """q_shared with a producer: each consumer warpgroup stages its own 64 query rows of the Q tile (copy_q_lines'
+  layout) by cp.async, waits for them, fences the async proxy and meets its own 128 threads (named barrier
+  OWN_Q_BARRIER + warpgroup): no warpgroup reads another's rows, so none waits for the others or the producer."""
+  pieces = plan.head_dim // 8
+  target = staged_offset(plan.block_m, CExpr("row"), CExpr("column"))
+  return [f"  const unsigned q_tile = shared_base + {plan.stages * stage_bytes(plan)};",
+          f"  for (int piece = threadIdx.x % {WARPGROUP_THREADS}; piece < {WARPGROUP_ROWS * pieces}; "
+          f"piece += {WARPGROUP_THREADS}) {{",
+          f"    int row = threadIdx.x / {WARPGROUP_THREADS} * {WARPGROUP_ROWS} + piece / {pieces}, "
+          f"column = (piece % {pieces}) * 8;",
+          f"    bool inside = block_first_row + row < {plan.length};",
+          "    long long clamped = inside ? block_first_row + row : 0;",
+          f"    stage16(q_tile + {target}, q_base + clamped * {plan.q.strides[2]} + column, inside);",
+          "  }",
+          "  copy_commit();",
+          "  copy_wait_all();",
+          "  async_proxy_fence();",
+          f"  named_sync({OWN_Q_BARRIER} + threadIdx.x / {WARPGROUP_THREADS}, {WARPGROUP_THREADS});"]
+
+
 def copy_tile_lines(plan: AttentionPlan, thread: str = "threadIdx.x", threads: int = 0,
                     landing: str = "    copy_commit();") -> list[str]:
   """`copy_tile(tile, stage)`: the key and value rows of one tile into the stage's swizzled K and V tiles by 16-byte
@@ -475,8 +496,8 @@ def consumer_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str]
 
 
 # the named barrier of consumer warpgroup w's turn on the tensor cores (plan.pingpong) is PINGPONG_BARRIER + w (0 is
-# __syncthreads)
-PINGPONG_BARRIER = 1
+# __syncthreads), and OWN_Q_BARRIER + w its meeting once its Q rows are staged (own_q_lines; 16 barriers in all)
+PINGPONG_BARRIER, OWN_Q_BARRIER = 1, 8
 
 
 def _turn_lines(plan: AttentionPlan) -> tuple[list[str], list[str], list[str]]:
