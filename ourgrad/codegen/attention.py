@@ -837,8 +837,8 @@ def _block_index_lines(plan: AttentionPlan) -> list[str]:
 def _consumer_loop_lines(plan: AttentionPlan) -> list[str]:
   """The consumer warpgroups' loop over the tiles a producer warpgroup copies (attention_wgmma.producer_lines)."""
   if plan.overlap:
-    return attention_wgmma.consumer_overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
-                                                          _rescale_lines(plan))
+    return attention_wgmma.overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
+                                                 _rescale_lines(plan))
   return attention_wgmma.consumer_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan))
 
 

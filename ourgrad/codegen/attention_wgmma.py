@@ -406,47 +406,6 @@ def weighted_sum_lines(plan: AttentionPlan) -> list[str]:
           "    wgmma_wait_all();"]
 
 
-def overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str], rescale: list[str]) -> list[str]:
-  """The loop over key tiles with the previous tile's P V in flight while this tile's S is masked and softmaxed
-  (FlashAttention-3's pipelining inside a warpgroup), from copy_tile(0, 0) on:
-
-      for tile t: wait for t's copies; fence.proxy.async; BARRIER; copy t + 1 into stage (t + 1) % stages
-                  issue S_t = Q K_t^T; issue O += P_{t-1} V_{t-1} (t > 0); wait for S_t (groups finish in order)
-                  mask and softmax S_t (the factor of O kept); wait for P V; O *= factor; pack P_t
-      issue and wait O += P_last V_last
-
-  Stage (t + 1) % stages was last read by P_{t-2} V_{t-2} (stages >= 3), waited for in iteration t - 1, which every
-  thread has finished once past iteration t's barrier."""
-  stages, stage = plan.stages, stage_bytes(plan)
-  return [
-    f"  unsigned p[{plan.block_n // 16}][4];",
-    "  float row_rescale[1][2];",
-    "  for (int tile = 0; tile < tiles; tile++) {",
-    "    copy_wait_all();",
-    "    async_proxy_fence();",
-    "    __syncthreads();",
-    f"    if (tile + 1 < tiles) copy_tile(tile + 1, (tile + 1) % {stages});",
-    f"    unsigned k_stage = shared_base + (tile % {stages}) * {stage};",
-    f"    unsigned previous_values = shared_base + ((tile + {stages - 1}) % {stages}) * {stage} + {tile_bytes(plan)};",
-    *_scores_issue_lines(plan),
-    "    if (tile > 0) {",
-    *_values_issue_lines(plan, "previous_values", "      "),
-    "      wgmma_wait_one();",
-    "    } else {",
-    "      wgmma_wait_all();",
-    "    }",
-    *mask,
-    *softmax,
-    "    wgmma_wait_all();",
-    *rescale,
-    *_pack_lines(plan, declare=False),
-    "  }",
-    f"  unsigned last_values = shared_base + ((tiles - 1) % {stages}) * {stage} + {tile_bytes(plan)};",
-    "  wgmma_fence();",
-    *_values_issue_lines(plan, "last_values", "  "),
-    "  wgmma_wait_all();"]
-
-
 # ---------------------------------------------------------------- the producer warpgroup (plan.producer)
 
 def producer_lines(plan: AttentionPlan) -> list[str]:
@@ -500,7 +459,7 @@ def consumer_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str]
 PINGPONG_BARRIER, OWN_Q_BARRIER = 1, 8
 
 
-def _turn_lines(plan: AttentionPlan) -> tuple[list[str], list[str], list[str]]:
+def _turn_lines(plan: AttentionPlan) -> tuple[list[str], list[str], list[str], list[str]]:
   """plan.pingpong: (before the loop, before a tile's wgmmas are issued, after) of the consumer warpgroups' turns:
   warpgroup w issues once warpgroup w - 1 has issued its own (named barrier PINGPONG_BARRIER + w: its 128 threads
   wait, w - 1's arrive), so one's softmax runs while the next one's products do (FlashAttention-3's ping-pong). The
@@ -516,20 +475,31 @@ def _turn_lines(plan: AttentionPlan) -> tuple[list[str], list[str], list[str]]:
           [f"  if (warpgroup == 0) named_sync({PINGPONG_BARRIER}, {pair});"])
 
 
-def consumer_overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str],
-                                   rescale: list[str]) -> list[str]:
-  """overlapped_loop_lines for the consumers of plan.producer: the tile's stage awaited on its `full` barrier instead
-  of the CTA's barrier, and the previous tile's stage released (`empty`) once its P V is done (two stages suffice:
-  a consumer holds tile t - 1's values while it waits for tile t); with pingpong the warpgroups take turns issuing
-  (_turn_lines)."""
+def overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str], rescale: list[str]) -> list[str]:
+  """The loop over key tiles with the previous tile's P V in flight while this tile's S is masked and softmaxed
+  (FlashAttention-3's pipelining inside a warpgroup), from its first tile's copies on:
+
+      for tile t: await t's stage (_overlap_await_lines)
+                  [pingpong: wait for this warpgroup's turn]
+                  issue S_t = Q K_t^T; issue O += P_{t-1} V_{t-1} (t > 0); [pingpong: hand the turn on]
+                  wait for S_t (groups finish in order); mask and softmax S_t (the factor of O kept)
+                  wait for P V; [producer: release t - 1's stage]; O *= factor; pack P_t
+      issue and wait O += P_last V_last
+
+  Without a producer every thread copies and the CTA's barrier orders a stage's reuse: stage (t + 1) % stages was
+  last read by P_{t-2} V_{t-2} (stages >= 3), waited for in iteration t - 1, which every thread has finished once
+  past iteration t's barrier. With plan.producer the tile's stage is awaited on its `full` barrier and the previous
+  tile's released (`empty`) once its P V is done (two stages suffice: a consumer holds tile t - 1's values while it
+  waits for tile t); with pingpong the warpgroups take turns issuing (_turn_lines)."""
   stages, stage = plan.stages, stage_bytes(plan)
   opening, turn, turn_over, closing = _turn_lines(plan)
+  release = [f"    if (tile > 0) barrier_arrive(empty + 8 * ((tile + {stages - 1}) % {stages}));"] * plan.producer
   return [
     f"  unsigned p[{plan.block_n // 16}][4];",
     "  float row_rescale[1][2];",
     *opening,
     "  for (int tile = 0; tile < tiles; tile++) {",
-    *_await_tile_lines(plan),
+    *_overlap_await_lines(plan),
     f"    unsigned k_stage = shared_base + (tile % {stages}) * {stage};",
     f"    unsigned previous_values = shared_base + ((tile + {stages - 1}) % {stages}) * {stage} + {tile_bytes(plan)};",
     *turn,
@@ -545,7 +515,7 @@ def consumer_overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax
     *mask,
     *softmax,
     "    wgmma_wait_all();",
-    f"    if (tile > 0) barrier_arrive(empty + 8 * ((tile + {stages - 1}) % {stages}));",
+    *release,
     *rescale,
     *_pack_lines(plan, declare=False),
     "  }",
@@ -554,3 +524,13 @@ def consumer_overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax
     *_values_issue_lines(plan, "last_values", "  "),
     "  wgmma_wait_all();",
     *closing]
+
+
+def _overlap_await_lines(plan: AttentionPlan) -> list[str]:
+  """overlapped_loop_lines' wait for tile `tile`: a producer's `full` barrier (_await_tile_lines), or this thread's
+  copies, the async proxy's fence and the CTA's barrier, then the next tile's copies issued."""
+  if plan.producer: return _await_tile_lines(plan)
+  return ["    copy_wait_all();",
+          "    async_proxy_fence();",
+          "    __syncthreads();",
+          f"    if (tile + 1 < tiles) copy_tile(tile + 1, (tile + 1) % {plan.stages});"]
