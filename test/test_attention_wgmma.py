@@ -98,30 +98,31 @@ def test_rule_picks_wgmma_for_16_bit_operands_on_sm90(monkeypatch):
 
 
 def test_producer_rule_by_registers_and_waves(monkeypatch):
-  """ATTENTION_PRODUCER=1 (the default): three consumer warpgroups at their setmaxnreg share (160) take the most keys a
-  tile that share fits (D = 64: 112) where the grid has PRODUCER_LEAST_WAVES CTAs a multiprocessor (T = 4096; not
-  T = 1024's 288 CTAs on 132); D = 128 fits no 64 keys at 160 and keeps the one-warpgroup rule."""
+  """ATTENTION_PRODUCER=1 (the default): three consumer warpgroups at their setmaxnreg share (160), Q in shared memory,
+  take the most keys a tile that share fits (D = 64: 128; D = 128: 80) where the grid has PRODUCER_LEAST_WAVES CTAs
+  a multiprocessor (T = 4096; not T = 1024's 288 CTAs on 132)."""
   monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
   monkeypatch.setenv("ATTENTION_PRODUCER", "1")
   plan = _plan(dtypes.bfloat16, length=4096)
-  assert blocks_text(plan) == "192,112,4,1,1,1,0,1,160,1" and plan.threads == 512
+  assert blocks_text(plan) == "192,128,4,1,1,1,1,1,160,1" and plan.threads == 512 and plan.q_shared
   assert attention_wgmma.producer_registers(plan) == 32
   assert blocks_text(_plan(dtypes.bfloat16, length=1024)) == "64,128,2,1,3"
-  assert blocks_text(_plan(dtypes.bfloat16, 128, length=4096)) == "64,64,2,1,2"
+  assert blocks_text(_plan(dtypes.bfloat16, 128, length=4096)) == "192,80,4,1,1,1,1,1,160,1"
+  assert blocks_text(_plan(dtypes.bfloat16, 128, length=1024)) == "64,64,2,1,2"
 
 
 def test_producer_rule_needs_rings_of_key_tiles(monkeypatch):
   """A grid with enough CTAs (B=16 T=1024: 1152 on 132 multiprocessors) still keeps the one-warpgroup rule where a
-  causal CTA streams about 5 key tiles of 112 (about one ring of 4 stages: H200 0.140 ms against 0.113); T=4096
-  streams ~19 and takes the producer kernel."""
+  causal CTA streams about 5 key tiles (about one ring of 4 stages: H200 0.140 ms against 0.113); T=4096 streams
+  ~16 of 128 and takes the producer kernel."""
   monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
   monkeypatch.setenv("ATTENTION_PRODUCER", "1")
   assert blocks_text(_plan(dtypes.bfloat16, length=1024, batch=16)) == "64,128,2,1,3"
-  assert blocks_text(_plan(dtypes.bfloat16, length=4096, batch=16)) == "192,112,4,1,1,1,0,1,160,1"
+  assert blocks_text(_plan(dtypes.bfloat16, length=4096, batch=16)) == "192,128,4,1,1,1,1,1,160,1"
   long = _plan(dtypes.bfloat16, length=4096)
-  assert attention_wgmma.mean_key_tiles(long) == 19 and attention_wgmma.PRODUCER_LEAST_RINGS * 4 <= 19
+  assert attention_wgmma.mean_key_tiles(long) == 16.5 and attention_wgmma.PRODUCER_LEAST_RINGS * 4 <= 16.5
 
 
 def test_producer_plan_round_trips_through_the_python_program(monkeypatch):
@@ -166,7 +167,7 @@ def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
   # three consumers at 160 leave the producer 32 (setmaxnreg.dec), at 176 none
   monkeypatch.setenv("ATTENTION_BLOCKS", "192,96,4,1,1,1,0,1,160")
   assert attention_wgmma.producer_registers(_plan(dtypes.bfloat16)) == 32
-  for blocks in ("48,64,2", "128,64,2,2", "192,96,4,1,1,1,0,1,176", "128,64,2,1,1,1", "128,64,2,1,1,0,1,1",
+  for blocks in ("48,64,2", "128,64,2,2", "192,96,4,1,1,1,0,1,176", "128,64,2,1,1,1", "128,64,2,1,1,0,0,1,0,0,0,1",
                  "128,64,2,1,1,0,0,0,200", "128,64,2,1,1,0,0,1,0,1", "64,64,2,1,1,1,0,1,0,1"):
     monkeypatch.setenv("ATTENTION_BLOCKS", blocks)
     with pytest.raises(ShapeError, match="wgmma|overlap|producer|ping-pong"): _plan(dtypes.bfloat16)
@@ -200,7 +201,10 @@ def test_cuda_source_compiles_for_sm90a_without_spills(monkeypatch, dtype, causa
                                   pingpong=True, rescale_slack=0.0),
               # Q staged in shared memory by each consumer warpgroup
               dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232,
-                                  pingpong=True, q_shared=True)]
+                                  pingpong=True, q_shared=True),
+              # a persistent grid walking the query blocks
+              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232,
+                                  pingpong=True, q_shared=True, persistent=True)]
   assert plan.rescale_slack > 0
   for variant in variants:
     source_text = render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1})

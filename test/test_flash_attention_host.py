@@ -232,3 +232,20 @@ def test_wgmma_producer_with_q_in_shared_memory_on_host(causal, config):
   assert plan.q_shared and plan.threads == block_m * 2 + 128
   assert o_error < TOLERANCES["bfloat16"], (plan, o_error)
   assert lse_error < 2e-2, (plan, lse_error)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", [(192, 32, 3, True, True), (128, 64, 2, False, False)],
+                         ids=lambda c: "m{}_n{}_s{}_o{:d}_p{:d}".format(*c))
+def test_persistent_producer_on_host(causal, config):
+  """plan.persistent: a grid of 3 CTAs (multiprocessors=3) walks 12 query blocks (two batches of two heads, 3 blocks
+  each) in the snake order, the ring's count and phases running on across a CTA's items (a stage left unreleased or
+  a phase off by one hangs here as on the GPU), the next item's Q staged by each consumer warpgroup."""
+  block_m, block_n, stages, overlap, pingpong = config
+  plan, o_error, lse_error = _run("bfloat16", causal, 2, 2, 1, 2 * block_m + 11, 2 * block_m + 11, 64, seed=12,
+                                  mma="wgmma", block_m=block_m, block_n=block_n, stages=stages, overlap=overlap,
+                                  producer=True, min_ctas=1, pingpong=pingpong, q_shared=True, persistent=True,
+                                  multiprocessors=3)
+  assert plan.global_size == (3, 1, 1) and plan.items == 12
+  assert o_error < TOLERANCES["bfloat16"], (plan, o_error)
+  assert lse_error < 2e-2, (plan, lse_error)

@@ -68,14 +68,16 @@ ATTENTION_RESCALE_SLACK = env_var("ATTENTION_RESCALE_SLACK", 8.0, "the fused att
                                   "units), a warp's rescale skipped where no row passes; 0: rescale every tile "
                                   "(codegen/attention.py `_lazy_softmax_lines`)")
 ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
-                           "[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly]]]]]]]]] of the fused "
+                           "[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly[,persistent]]]]]]]]]]] of "
+                           "the fused "
                            "attention forward instead of its rule's (codegen/attention.py `plan_attention`), e.g. "
                            "128,64,2,1,2: what extra/bench/sweep_attention.py tries; overlap 1 (wgmma, 3 stages or "
                            "more, 2 with a producer): S and softmax while the previous P V runs; q_shared 1 (wgmma): "
                            "Q staged in shared memory; producer 1 (wgmma): a producer warpgroup fills a ring of "
                            "stages through mbarriers; consumer_registers: the consumers' setmaxnreg (0: their share); "
                            "pingpong 1: the consumer warpgroups take turns on the tensor cores; exp_poly k: every "
-                           "k-th 8 keys' exp2 by a polynomial on the FMA pipe")
+                           "k-th 8 keys' exp2 by a polynomial on the FMA pipe; persistent 1 (producer): one CTA a "
+                           "multiprocessor walks its share of the query blocks")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
@@ -133,8 +135,13 @@ class AttentionPlan:
   # the online softmax's reference max moves only where a tile's max passes it by more than this (log2 units; P
   # stays under 2^slack), a warp's rescale skipped where none of its rows passes (FlashAttention-4); 0: every tile
   rescale_slack: float = 0.0
+  # producer: a persistent grid of one CTA a multiprocessor, each walking its share of the query blocks
+  # (attention_wgmma.persistent_lines), the producer copying the next block's tiles while the consumers store this one
+  persistent: bool = False
   # 32-bit registers of the multiprocessor it runs on (the device's fact: what setmaxnreg divides)
   multiprocessor_registers: int = ASSUMED_CUDA_GPU.registers_per_multiprocessor
+  # the device's multiprocessors (a persistent grid's CTAs)
+  multiprocessors: int = ASSUMED_CUDA_GPU.multiprocessors
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
@@ -189,7 +196,14 @@ class AttentionPlan:
   def query_blocks(self) -> int: return math.ceil(self.length / self.block_m)
 
   @property
-  def global_size(self) -> tuple[int, int, int]: return (self.query_blocks, self.heads, self.batch)
+  def items(self) -> int:
+    """Query blocks of every (batch, head): the CTAs of the grid, or a persistent grid's work."""
+    return self.query_blocks * self.heads * self.batch
+
+  @property
+  def global_size(self) -> tuple[int, int, int]:
+    if self.persistent: return (min(self.items, self.multiprocessors), 1, 1)
+    return (self.query_blocks, self.heads, self.batch)
 
   @property
   def local_size(self) -> tuple[int, int, int]: return (self.threads, 1, 1)
@@ -234,7 +248,8 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
                        mma="wgmma" if wgmma else "mma_sync",
                        block_m=attention_wgmma.WGMMA_BLOCK_M if wgmma else BLOCK_M)
   registers = getattr(renderer, "registers_per_multiprocessor", 0) or ASSUMED_CUDA_GPU.registers_per_multiprocessor
-  base = replace(base, multiprocessor_registers=registers)
+  multiprocessors = getattr(renderer, "multiprocessors", 0) or ASSUMED_CUDA_GPU.multiprocessors
+  base = replace(base, multiprocessor_registers=registers, multiprocessors=multiprocessors)
   if ATTENTION_BLOCKS.value: return _with_consumer_registers(
       _checked(replace(base, **_blocks_override(str(ATTENTION_BLOCKS.value)))), registers)
   budget = renderer.dynamic_local_memory_bytes // CTAS_PER_PROCESSOR
@@ -242,7 +257,6 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
   fitting = [plan for plan in fitting if plan.fragment_registers <= FRAGMENT_REGISTERS and plan.shared_bytes <= budget]
   plan = fitting[0] if fitting else replace(base, block_n=BLOCK_N_CHOICES[-1])
   if not wgmma: return plan
-  multiprocessors = getattr(renderer, "multiprocessors", 0) or ASSUMED_CUDA_GPU.multiprocessors
   producer = attention_wgmma.producer_plan(plan, multiprocessors, registers, renderer.dynamic_local_memory_bytes) \
       if ATTENTION_PRODUCER else None
   return producer or replace(plan, min_ctas=attention_wgmma.resident_ctas(plan, CTAS_PER_PROCESSOR, registers))
@@ -273,6 +287,10 @@ def _checked(plan: AttentionPlan) -> AttentionPlan:
   if plan.pingpong and not (plan.producer and plan.overlap and plan.block_m >= 2 * attention_wgmma.WARPGROUP_ROWS):
     raise ShapeError(f"ping-pong of {plan.block_m // attention_wgmma.WARPGROUP_ROWS} consumer warpgroups, producer "
                      f"{plan.producer}, overlap {plan.overlap}: want a producer, overlap and 2 warpgroups or more")
+  # (Q loaded into registers at each item of a persistent CTA made ptxas serialize the wgmmas, C7519)
+  if plan.persistent and not (plan.producer and plan.q_shared):
+    raise ShapeError("a persistent attention grid without a producer warpgroup or with Q in registers: want producer "
+                     "and q_shared")
   if plan.exp_poly < 0: raise ShapeError(f"exp_poly {plan.exp_poly}: want every k-th 8 keys, k >= 1, or 0 for none")
   if plan.consumer_registers and plan.producer and \
       attention_wgmma.producer_registers(plan) < attention_wgmma.LEAST_PRODUCER_REGISTERS:
@@ -285,18 +303,19 @@ def _checked(plan: AttentionPlan) -> AttentionPlan:
 
 
 BLOCKS_FIELDS = ("block_m", "block_n", "stages", "warp_tiles", "min_ctas", "overlap", "q_shared", "producer",
-                 "consumer_registers", "pingpong", "exp_poly")
-_FLAG_FIELDS = ("overlap", "q_shared", "producer", "pingpong")
+                 "consumer_registers", "pingpong", "exp_poly", "persistent")
+_FLAG_FIELDS = ("overlap", "q_shared", "producer", "pingpong", "persistent")
 
 
 def _blocks_override(text: str) -> dict[str, Any]:
   """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap[,q_shared[,producer
-  [,consumer_registers[,pingpong[,exp_poly]]]]]]]]]" as plan fields."""
+  [,consumer_registers[,pingpong[,exp_poly[,persistent]]]]]]]]]]" as plan fields."""
   values = [int(part) for part in text.split(",")]
   warp_rows = WARP_ROWS * (values[3] if len(values) >= 4 else 1)
   if not 2 <= len(values) <= len(BLOCKS_FIELDS) or values[0] % warp_rows or values[1] % 16:
     raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
-                     f"[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly]]]]]]]]], block_m a multiple of "
+                     f"[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly[,persistent]]]]]]]]]]], block_m "
+                     "a multiple of "
                      f"{WARP_ROWS} * warp_tiles, block_n of 16")
   return {name: bool(value) if name in _FLAG_FIELDS else value for name, value in zip(BLOCKS_FIELDS, values)}
 
@@ -787,16 +806,34 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
       [f"  {storage}* k_tiles = ({storage}*)attention_shared;",
        f"  {storage}* v_tiles = k_tiles + {plan.stages * plan.tile_elements};"]),
     "  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = lane >> 2, quad = lane & 3;",
-    *_block_index_lines(plan),
-    f"  int kv_head = head / {plan.group};",
-    f"  int block_first_row = query_block * {plan.block_m};",
-    f"  int first_row = block_first_row + warp * {plan.warp_rows} + group;",
-    f"  const {storage}* q_base = q_buffer + {_element_offset(plan.q, 'batch', 'head')};",
-    f"  const {storage}* k_base = k_buffer + {_element_offset(plan.k, 'batch', 'kv_head')};",
-    f"  const {storage}* v_base = v_buffer + {_element_offset(plan.v, 'batch', 'kv_head')};",
     f"  const float scale_log2 = {plan.scale * LOG2_E!r}f;",
+  ]
+  item = [*_block_index_lines(plan),
+          f"  int kv_head = head / {plan.group};",
+          f"  int block_first_row = query_block * {plan.block_m};",
+          f"  int first_row = block_first_row + warp * {plan.warp_rows} + group;",
+          f"  const {storage}* q_base = q_buffer + {_element_offset(plan.q, 'batch', 'head')};",
+          f"  const {storage}* k_base = k_buffer + {_element_offset(plan.k, 'batch', 'kv_head')};",
+          f"  const {storage}* v_base = v_buffer + {_element_offset(plan.v, 'batch', 'kv_head')};"]
+  if plan.persistent:
+    lines += attention_wgmma.persistent_lines(plan, [*item, f"  int tiles = {tiles};"], _consumer_item_lines(plan))
+    return "\n".join(line for line in [*lines, "}"] if line) + "\n"
+  lines += [
+    *item,
     # (a producer warpgroup copies the tiles from here on and leaves; the consumers go on)
     *([f"  int tiles = {tiles};", *attention_wgmma.producer_lines(plan)] if plan.producer else []),
+    *_consumer_item_lines(plan, tiles),
+    "}",
+  ]
+  return "\n".join(line for line in lines if line) + "\n"
+
+
+def _consumer_item_lines(plan: AttentionPlan, tiles: str = "") -> list[str]:
+  """One query block's work after its copies are under way: Q, O's accumulators and the row statistics set up, the
+  loop over key tiles (without a producer: copy_tile and the first tile's copies first, `tiles` named here), the
+  store."""
+  wgmma = plan.mma == "wgmma"
+  return [
     *(attention_wgmma.own_q_lines(plan) if plan.q_shared and plan.producer else
       [] if plan.q_shared else _q_fragment_lines(plan)),
     f"  float outputs[{plan.warp_tiles}][{plan.head_dim // 8}][4], row_max[{plan.warp_tiles}][2], "
@@ -816,10 +853,7 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
       "  copy_tile(0, 0);",
       *(attention_wgmma.overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
                                               _rescale_lines(plan)) if plan.overlap else _loop_lines(plan))]),
-    *_store_lines(plan),
-    "}",
-  ]
-  return "\n".join(line for line in lines if line) + "\n"
+    *_store_lines(plan)]
 
 
 def _block_index_lines(plan: AttentionPlan) -> list[str]:
@@ -827,9 +861,13 @@ def _block_index_lines(plan: AttentionPlan) -> list[str]:
   that index counts the query blocks down across every (batch, head) before the next block (all the last blocks, the
   longest, first; then the next ones), so the grid's tail is the shortest CTAs wherever a head's rows fall (by the
   grid's own x, y, z each head would run its longest block beside others' short ones, to the end)."""
-  if not plan.causal: return ["  int query_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;"]
   pairs = plan.heads * plan.batch
-  return [f"  int order = blockIdx.x + {plan.query_blocks} * (blockIdx.y + {plan.heads} * blockIdx.z);",
+  if plan.persistent and not plan.causal:   # (a persistent CTA's `order`: attention_wgmma._rounds)
+    return [f"  int query_block = order / {pairs}, head = order % {plan.heads}, "
+            f"batch = order % {pairs} / {plan.heads};"]
+  if not plan.causal: return ["  int query_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;"]
+  return [*([] if plan.persistent else
+            [f"  int order = blockIdx.x + {plan.query_blocks} * (blockIdx.y + {plan.heads} * blockIdx.z);"]),
           f"  int query_block = {plan.query_blocks - 1} - order / {pairs};",
           f"  int head = order % {plan.heads}, batch = order % {pairs} / {plan.heads};"]
 

@@ -55,6 +55,10 @@ WGMMA_DTYPES = ("float16", "bfloat16")
 # ping-pong), the one-warpgroup rule 0.333, PyTorch 0.259; 3 stages without overlap 0.348, two consumers 0.367+,
 # 2 stages with overlap (no prefetch left) 0.46-0.72, exp_poly slower (results/sweep_attention_producer_h200_s16.txt)
 PRODUCER_CONSUMERS, PRODUCER_STAGES, PRODUCER_OVERLAP, PRODUCER_LEAST_WAVES = 3, 4, True, 4
+# the producer kernel's consumers stage Q in shared memory (own_q_lines), which frees Q's registers: 192 x 128 fits
+# 160 without spills where Q in registers left 112 keys. H200 bf16 causal B=4 H=12 D=64 T=4096, one call
+# (results/ck_s17/attnfwd5_1.txt): 0.262 ms against 0.266 for 192 x 112, PyTorch 0.262
+PRODUCER_Q_SHARED = True
 # the fewest key tiles a CTA streams on average, in rings of PRODUCER_STAGES, for the producer kernel: its ring fills
 # and drains once a CTA. H200 bf16 causal D=64 B=16 T=1024 (GPT-2's shape, ~5 tiles of 112 keys a causal CTA: about
 # one ring): 0.140 ms against the one-warpgroup rule's 0.113 (results/final_s16/producer_t1024.txt); T=4096 (~19):
@@ -99,13 +103,15 @@ def producer_plan(plan: AttentionPlan, multiprocessors: int, multiprocessor_regi
   """The rule's producer kernel for a wgmma plan (ATTENTION_PRODUCER=1): PRODUCER_CONSUMERS consumer warpgroups over
   a ring of PRODUCER_STAGES, overlapped and ping-pong (PRODUCER_OVERLAP), one CTA a multiprocessor, the consumers at
   their setmaxnreg share (consumer_register_share), keys a tile the most (a multiple of 16 from 128 to
-  PRODUCER_LEAST_KEYS) whose fragments and WGMMA_OVERHEAD_REGISTERS fit that share (D = 64, 3 consumers at 160: 112;
-  ptxas fits them without spills) and whose stages fit `shared_limit`; None where none fits (D = 128 with 3
-  consumers), where the grid is under PRODUCER_LEAST_WAVES CTAs a multiprocessor (a CTA of 2-3 warpgroups needs
-  more of them to even out the causal tails than the 1-warpgroup ones), or where a CTA streams fewer than
-  PRODUCER_LEAST_RINGS rings of key tiles on average (mean_key_tiles: the ring's fill and drain are not paid back)."""
+  PRODUCER_LEAST_KEYS) whose fragments and WGMMA_OVERHEAD_REGISTERS fit that share (D = 64, 3 consumers at 160 with
+  Q in shared memory, PRODUCER_Q_SHARED: 128; ptxas fits them without spills) and whose stages fit `shared_limit`;
+  None where none fits, where the grid is under PRODUCER_LEAST_WAVES CTAs a multiprocessor (a CTA of 2-3
+  warpgroups needs more of them to even out the causal tails than the 1-warpgroup ones), or where a CTA streams
+  fewer than PRODUCER_LEAST_RINGS rings of key tiles on average (mean_key_tiles: the ring's fill and drain are not
+  paid back)."""
   consumers = replace(plan, block_m=PRODUCER_CONSUMERS * WARPGROUP_ROWS, stages=PRODUCER_STAGES, min_ctas=1,
-                      producer=True, overlap=PRODUCER_OVERLAP, pingpong=PRODUCER_OVERLAP and PRODUCER_CONSUMERS > 1)
+                      producer=True, overlap=PRODUCER_OVERLAP, pingpong=PRODUCER_OVERLAP and PRODUCER_CONSUMERS > 1,
+                      q_shared=PRODUCER_Q_SHARED and plan.q.vector_aligned(PIECE_BYTES // plan.itemsize))
   if consumers.query_blocks * plan.heads * plan.batch < PRODUCER_LEAST_WAVES * multiprocessors: return None
   share = consumer_register_share(consumers, multiprocessor_registers)
   for block_n in range(128, PRODUCER_LEAST_KEYS - 1, -16):
@@ -422,8 +428,8 @@ def producer_lines(plan: AttentionPlan) -> list[str]:
           *("  " + line for line in copy_tile_lines(plan, f"(threadIdx.x - {consumers})", WARPGROUP_THREADS,
                                                     "    copies_arrive(full + 8 * stage);")),
           "    for (int tile = 0; tile < tiles; tile++) {",
-          f"      int stage = tile % {stages};",
-          f"      if (tile >= {stages}) barrier_wait(empty + 8 * stage, (tile / {stages} - 1) & 1);",
+          f"      int count = {ring_count(plan)}, stage = count % {stages};",
+          f"      if (count >= {stages}) barrier_wait(empty + 8 * stage, (count / {stages} - 1) & 1);",
           "      copy_tile(tile, stage);",
           "    }",
           "    copy_commit();",
@@ -433,10 +439,56 @@ def producer_lines(plan: AttentionPlan) -> list[str]:
           "  consumer_registers();"]
 
 
+def ring_count(plan: AttentionPlan, tile: str = "tile") -> str:
+  """Which use of the ring key tile `tile` of this CTA is (its stage: count % stages, its phase: count / stages): the
+  tile itself, or a persistent CTA's running count over its items (`used`: the tiles of the items before)."""
+  return f"(used + {tile})" if plan.persistent else tile
+
+
+def persistent_lines(plan: AttentionPlan, item: list[str], consumer: list[str]) -> list[str]:
+  """plan.persistent: the ring's mbarriers set up, then the producer and the consumers each walk the CTA's items
+  (query blocks of one head) in the same order (`_rounds`), the producer copying each item's key tiles into the ring
+  as producer_lines does and the consumers running `consumer` (Q, the loop, the store) per item, both counting the
+  ring's uses across items (`used`). The producer copies the next item's first tiles while the consumers finish and
+  store this one: a CTA's start and end overlap its neighbours' work (FlashAttention-3's persistent kernel).
+  `item`: the lines that name the item's block, head and bases from `order` and its `tiles`."""
+  consumers = plan.consumer_threads
+  def rounds(body: list[str]) -> list[str]:
+    return ["  int used = 0;", *_rounds(plan), *("  " + line for line in item), *("  " + line for line in body),
+            "    used += tiles;", "  }"]
+  return [*ring_barrier_lines(barrier_offset(plan), plan.stages, consumers),
+          f"  if (threadIdx.x >= {consumers}) {{",
+          "    producer_registers();",
+          *("  " + line for line in rounds([
+            *copy_tile_lines(plan, f"(threadIdx.x - {consumers})", WARPGROUP_THREADS,
+                             "    copies_arrive(full + 8 * stage);"),
+            "  for (int tile = 0; tile < tiles; tile++) {",
+            f"    int count = used + tile, stage = count % {plan.stages};",
+            f"    if (count >= {plan.stages}) barrier_wait(empty + 8 * stage, (count / {plan.stages} - 1) & 1);",
+            "    copy_tile(tile, stage);",
+            "  }"])),
+          "    copy_commit();",
+          "    copy_wait_all();",
+          "    return;",
+          "  }",
+          "  consumer_registers();",
+          *rounds(consumer)]
+
+
+def _rounds(plan: AttentionPlan) -> list[str]:
+  """The loop over a persistent CTA's items: round r of the grid's CTAs takes the next gridDim.x items of the order
+  (the longest first, _block_index_lines), CTA c the c-th of an even round and the c-th from the end of an odd one
+  (a snake: the CTA that took a round's longest takes the next round's shortest, which evens out their sums)."""
+  return ["  for (int round = 0;; round++) {",
+          "    int order = round * gridDim.x + (round & 1 ? gridDim.x - 1 - blockIdx.x : blockIdx.x);",
+          f"    if (order >= {plan.items}) break;"]
+
+
 def _await_tile_lines(plan: AttentionPlan) -> list[str]:
   """A consumer waiting for tile `tile` in its stage (`full`, phase tile / stages), then fencing the async proxy:
   the copies landed through the generic one, the tensor cores read through the async one."""
-  return [f"    barrier_wait(full + 8 * (tile % {plan.stages}), (tile / {plan.stages}) & 1);",
+  count = ring_count(plan)
+  return [f"    barrier_wait(full + 8 * ({count} % {plan.stages}), ({count} / {plan.stages}) & 1);",
           "    async_proxy_fence();"]
 
 
@@ -447,10 +499,10 @@ def consumer_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str]
   stage = stage_bytes(plan)
   return ["  for (int tile = 0; tile < tiles; tile++) {",
           *_await_tile_lines(plan),
-          f"    unsigned k_stage = shared_base + (tile % {plan.stages}) * {stage}, v_stage = k_stage + "
+          f"    unsigned k_stage = shared_base + ({ring_count(plan)} % {plan.stages}) * {stage}, v_stage = k_stage + "
           f"{tile_bytes(plan)};",
           *scores_lines(plan), *mask, *softmax, *weighted_sum_lines(plan),
-          f"    barrier_arrive(empty + 8 * (tile % {plan.stages}));",
+          f"    barrier_arrive(empty + 8 * ({ring_count(plan)} % {plan.stages}));",
           "  }"]
 
 
@@ -493,15 +545,19 @@ def overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[st
   waits for tile t); with pingpong the warpgroups take turns issuing (_turn_lines)."""
   stages, stage = plan.stages, stage_bytes(plan)
   opening, turn, turn_over, closing = _turn_lines(plan)
-  release = [f"    if (tile > 0) barrier_arrive(empty + 8 * ((tile + {stages - 1}) % {stages}));"] * plan.producer
+  count, last = ring_count(plan), ring_count(plan, "(tiles - 1)")
+  release = [f"    if (tile > 0) barrier_arrive(empty + 8 * (({count} + {stages - 1}) % {stages}));"] * plan.producer
+  # (a persistent CTA's next item reuses the ring: its last tile's stage is released too)
+  release_last = [f"  barrier_arrive(empty + 8 * ({last} % {stages}));"] * plan.persistent
   return [
     f"  unsigned p[{plan.block_n // 16}][4];",
     "  float row_rescale[1][2];",
     *opening,
     "  for (int tile = 0; tile < tiles; tile++) {",
     *_overlap_await_lines(plan),
-    f"    unsigned k_stage = shared_base + (tile % {stages}) * {stage};",
-    f"    unsigned previous_values = shared_base + ((tile + {stages - 1}) % {stages}) * {stage} + {tile_bytes(plan)};",
+    f"    unsigned k_stage = shared_base + ({count} % {stages}) * {stage};",
+    f"    unsigned previous_values = shared_base + (({count} + {stages - 1}) % {stages}) * {stage} + "
+    f"{tile_bytes(plan)};",
     *turn,
     *_scores_issue_lines(plan),
     "    if (tile > 0) {",
@@ -519,10 +575,11 @@ def overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[st
     *rescale,
     *_pack_lines(plan, declare=False),
     "  }",
-    f"  unsigned last_values = shared_base + ((tiles - 1) % {stages}) * {stage} + {tile_bytes(plan)};",
+      f"  unsigned last_values = shared_base + ({last} % {stages}) * {stage} + {tile_bytes(plan)};",
     "  wgmma_fence();",
     *_values_issue_lines(plan, "last_values", "  "),
     "  wgmma_wait_all();",
+    *release_last,
     *closing]
 
 
