@@ -67,6 +67,8 @@ ATTENTION_RESCALE_SLACK = env_var("ATTENTION_RESCALE_SLACK", 8.0, "the fused att
                                   "moves a row's reference max only where a tile passes it by more than this (log2 "
                                   "units), a warp's rescale skipped where no row passes; 0: rescale every tile "
                                   "(codegen/attention.py `_lazy_softmax_lines`)")
+ATTENTION_TREE_REDUCE = env_var("ATTENTION_TREE_REDUCE", 1, "1: the fused attention forward's softmax takes a row's "
+                                "max and sum of a tile as trees of pairwise operations; 0: as chains")
 ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
                            "[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly[,persistent]]]]]]]]]]] of "
                            "the fused "
@@ -138,6 +140,8 @@ class AttentionPlan:
   # producer: a persistent grid of one CTA a multiprocessor, each walking its share of the query blocks
   # (attention_wgmma.persistent_lines), the producer copying the next block's tiles while the consumers store this one
   persistent: bool = False
+  # the softmax's max and sum of a row's scores as trees of pairwise operations, not chains (_tree_lines)
+  tree_reduce: bool = True
   # 32-bit registers of the multiprocessor it runs on (the device's fact: what setmaxnreg divides)
   multiprocessor_registers: int = ASSUMED_CUDA_GPU.registers_per_multiprocessor
   # the device's multiprocessors (a persistent grid's CTAs)
@@ -244,7 +248,7 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
     attention_wgmma.wgmma_refusal(dtype.name, head_dim, vector_copies) is None
   base = AttentionPlan(dtype.name, batch, heads, kv_heads, length, source, head_dim, causal, scale, q, k, v,
                        vector_copies=vector_copies, ldmatrix=bool(ATTENTION_LDMATRIX),
-                       rescale_slack=float(ATTENTION_RESCALE_SLACK.value),
+                       rescale_slack=float(ATTENTION_RESCALE_SLACK.value), tree_reduce=bool(ATTENTION_TREE_REDUCE),
                        mma="wgmma" if wgmma else "mma_sync",
                        block_m=attention_wgmma.WGMMA_BLOCK_M if wgmma else BLOCK_M)
   registers = getattr(renderer, "registers_per_multiprocessor", 0) or ASSUMED_CUDA_GPU.registers_per_multiprocessor
@@ -631,11 +635,15 @@ def _lazy_softmax_lines(plan: AttentionPlan, deferred: bool) -> list[str]:
 
 
 def _tile_max_lines(plan: AttentionPlan) -> list[str]:
-  """tile_max: the max of the tile's scores in row half `half` of m tile `mt`, over the quad that shares the row."""
-  return ["      float tile_max = NEG_INF;",
+  """tile_max: the max of the tile's scores in row half `half` of m tile `mt`, over the quad that shares the row
+  (tree_reduce: a tree of depth log2(block_n / 8) + 1 over the lane's pairs, else a chain)."""
+  pairs = [f"fmaxf(scores[mt][{n}][half * 2], scores[mt][{n}][half * 2 + 1])" for n in range(plan.block_n // 8)]
+  own = (_tree_lines("tile_max", pairs, "fmaxf({}, {})") if plan.tree_reduce else
+         ["      float tile_max = NEG_INF;",
           "#pragma unroll",
           f"      for (int n = 0; n < {plan.block_n // 8}; n++) "
-          "tile_max = fmaxf(tile_max, fmaxf(scores[mt][n][half * 2], scores[mt][n][half * 2 + 1]));",
+          "tile_max = fmaxf(tile_max, fmaxf(scores[mt][n][half * 2], scores[mt][n][half * 2 + 1]));"])
+  return [*own,
           "      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));",
           "      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));"]
 
@@ -649,6 +657,14 @@ def _power_sum_lines(plan: AttentionPlan) -> list[str]:
     if plan.exp_poly: return (f"{element} = n % {plan.exp_poly} == {plan.exp_poly - 1} ? poly_exp2({argument}) : "
                               f"fast_exp2({argument});")
     return f"{element} = fast_exp2({argument});"
+  if plan.tree_reduce:
+    pairs = [f"scores[mt][{n}][half * 2] + scores[mt][{n}][half * 2 + 1]" for n in range(plan.block_n // 8)]
+    return ["#pragma unroll",
+            f"      for (int n = 0; n < {plan.block_n // 8}; n++) {{",
+            "        " + power("scores[mt][n][half * 2]"),
+            "        " + power("scores[mt][n][half * 2 + 1]"),
+            "      }",
+            *_tree_lines("partial", pairs, "{} + {}")]
   return ["      float partial = 0.0f;",
           "#pragma unroll",
           f"      for (int n = 0; n < {plan.block_n // 8}; n++) {{",
@@ -656,6 +672,19 @@ def _power_sum_lines(plan: AttentionPlan) -> list[str]:
           "        " + power("scores[mt][n][half * 2 + 1]"),
           "        partial += scores[mt][n][half * 2] + scores[mt][n][half * 2 + 1];",
           "      }"]
+
+
+def _tree_lines(target: str, leaves: list[str], combine: str) -> list[str]:
+  """`float target` = the leaves combined pairwise in a tree (`combine` formats two operands): log2 of their count
+  levels of independent operations, where a chain would be as many dependent ones as leaves (each waits out the
+  last one's latency)."""
+  names = [f"{target}_{index}" for index in range(len(leaves))]
+  lines = [f"      float {name} = {leaf};" for name, leaf in zip(names, leaves)]
+  while len(names) > 1:
+    lines += [f"      {names[index]} = {combine.format(names[index], names[index + 1])};"
+              for index in range(0, len(names) - 1, 2)]
+    names = names[::2]
+  return lines + [f"      float {target} = {names[0]};"]
 
 
 def _kept_rescale_lines(plan: AttentionPlan, deferred: bool) -> list[str]:
