@@ -282,3 +282,35 @@ def test_cuda_wgmma_forward_against_torch(monkeypatch, dtype, causal, blocks):
   else: monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
   o_error, lse_error = _strided_forward_errors("CUDA", dtype, causal)
   assert o_error < 2e-2 and lse_error < 2e-2
+
+
+@pytest.mark.parametrize("warp_tiles", [1, 2])
+def test_emulator_moves_the_reference_as_the_warps_vote(warp_tiles):
+  """runtime/attention_emulator.py with rescale_slack: keys growing along the sequence (the rescale runs in some warps
+  and not others); O and the logsumexp at slack 8 and 0 both match float64, and differ from each other (P taken
+  against a stale reference, rounded to bfloat16 at another scale), so the vote's path was taken."""
+  from ourgrad.dtype import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+  from ourgrad.runtime.attention_emulator import emulate_attention
+  batch, heads, length, head_dim = 1, 2, 200, 64
+  rng = np.random.default_rng(3)
+  arrays = [rng.standard_normal((batch, heads, length, head_dim)).astype(np.float32) for _ in range(3)]
+  arrays[1] *= (1 + 0.05 * np.arange(length, dtype=np.float32))[:, None]
+  stored = [float32_to_bfloat16_bits(array) for array in arrays]
+  operand = Operand(1, 0, (heads * length * head_dim, length * head_dim, head_dim, 1))
+  shape = (batch, heads, length, head_dim)
+  base = plan_attention(operand, operand, operand, (shape, shape), dtypes.bfloat16, True, head_dim ** -0.5,
+                        CUDARenderer("sm_80"))
+  twin = [torch.tensor(bfloat16_bits_to_float32(array), dtype=torch.float64) for array in stored]
+  scores = twin[0] @ twin[1].transpose(-1, -2) * head_dim ** -0.5
+  scores = scores.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(), -float("inf"))
+  want_o, want_lse = (torch.softmax(scores, -1) @ twin[2]).transpose(1, 2).numpy(), torch.logsumexp(scores, -1).numpy()
+  results = []
+  for slack in (8.0, 0.0):
+    plan = dataclasses.replace(base, block_m=64, block_n=32, warp_tiles=warp_tiles, rescale_slack=slack)
+    out = np.zeros(plan.output_elements * 2, dtype=np.uint8)
+    emulate_attention(plan, out, *(array.view(np.uint8) for array in stored))
+    o = bfloat16_bits_to_float32(out.view(np.uint16)[:plan.o_elements]).reshape(batch, length, heads, head_dim)
+    lse = out.view(np.float32)[plan.lse_offset:plan.lse_offset + batch * heads * length].reshape(batch, heads, length)
+    assert np.linalg.norm(o - want_o) / np.linalg.norm(want_o) < 2e-2 and np.abs(lse - want_lse).max() < 2e-2
+    results.append(o)
+  assert not np.array_equal(results[0], results[1])
