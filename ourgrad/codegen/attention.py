@@ -67,8 +67,10 @@ ATTENTION_RESCALE_SLACK = env_var("ATTENTION_RESCALE_SLACK", 8.0, "the fused att
                                   "moves a row's reference max only where a tile passes it by more than this (log2 "
                                   "units), a warp's rescale skipped where no row passes; 0: rescale every tile "
                                   "(codegen/attention.py `_lazy_softmax_lines`)")
-ATTENTION_TREE_REDUCE = env_var("ATTENTION_TREE_REDUCE", 1, "1: the fused attention forward's softmax takes a row's "
-                                "max and sum of a tile as trees of pairwise operations; 0: as chains")
+ATTENTION_TREE_REDUCE = env_var("ATTENTION_TREE_REDUCE", 0, "1: the fused attention forward's softmax takes a row's "
+                                "max and sum of a tile as trees of pairwise operations; 0: as chains (H200 bf16 "
+                                "T=4096: the producer rule 0.259 ms with chains, 0.262 with trees; the mma.sync rule "
+                                "0.398 and 0.389, results/ck_s17/attnfwd5_2.txt)")
 ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
                            "[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly[,persistent]]]]]]]]]]] of "
                            "the fused "
@@ -141,7 +143,7 @@ class AttentionPlan:
   # (attention_wgmma.persistent_lines), the producer copying the next block's tiles while the consumers store this one
   persistent: bool = False
   # the softmax's max and sum of a row's scores as trees of pairwise operations, not chains (_tree_lines)
-  tree_reduce: bool = True
+  tree_reduce: bool = False
   # 32-bit registers of the multiprocessor it runs on (the device's fact: what setmaxnreg divides)
   multiprocessor_registers: int = ASSUMED_CUDA_GPU.registers_per_multiprocessor
   # the device's multiprocessors (a persistent grid's CTAs)

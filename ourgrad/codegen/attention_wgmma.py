@@ -57,7 +57,8 @@ WGMMA_DTYPES = ("float16", "bfloat16")
 PRODUCER_CONSUMERS, PRODUCER_STAGES, PRODUCER_OVERLAP, PRODUCER_LEAST_WAVES = 3, 4, True, 4
 # the producer kernel's consumers stage Q in shared memory (own_q_lines), which frees Q's registers: 192 x 128 fits
 # 160 without spills where Q in registers left 112 keys. H200 bf16 causal B=4 H=12 D=64 T=4096, one call
-# (results/ck_s17/attnfwd5_1.txt): 0.262 ms against 0.266 for 192 x 112, PyTorch 0.262
+# (results/ck_s17/attnfwd5_1.txt, _2.txt): 0.262 and 0.259 ms against 0.266 and 0.266 for 192 x 112, PyTorch
+# 0.262 and 0.257
 PRODUCER_Q_SHARED = True
 # the fewest key tiles a CTA streams on average, in rings of PRODUCER_STAGES, for the producer kernel: its ring fills
 # and drains once a CTA. H200 bf16 causal D=64 B=16 T=1024 (GPT-2's shape, ~5 tiles of 112 keys a causal CTA: about
@@ -67,8 +68,10 @@ PRODUCER_LEAST_RINGS = 2
 # registers a producer thread keeps when the consumers take their share (its cp.async loop fits 32), and the fewest
 # it may be left with (setmaxnreg's least is 24)
 PRODUCER_KEEPS, LEAST_PRODUCER_REGISTERS = 32, 24
-# the fewest keys a tile of the rule's producer kernel (fewer: more rescales and waits than the shared tiles save)
-PRODUCER_LEAST_KEYS = 64
+# the fewest keys a tile of the rule's producer kernel (fewer: more rescales and waits than the shared tiles save;
+# 96-128 measured on the H200, 192 x 64 over 2 stages 0.72 ms at T=4096, results/ck_s16/attnfwd4_1.txt). D = 128
+# (80 keys at 160 registers with Q in shared memory) keeps the one-warpgroup rule
+PRODUCER_LEAST_KEYS = 96
 
 
 def wgmma_refusal(dtype: str, head_dim: int, vector_copies: bool) -> str | None:
