@@ -24,6 +24,15 @@ from ourgrad.codegen.attention_helpers import POLY_EXP2_HELPER
 FORWARD_PRELUDE = r"""
 inline float __int_as_float(int bits) { float f; memcpy(&f, &bits, 4); return f; }
 inline int __float_as_int(float f) { int bits; memcpy(&bits, &f, 4); return bits; }
+// the warp's vote: every lane posts its flag, then reads all 32
+inline bool __any_sync(unsigned, bool flag) {
+  WarpSlots& slots = warp_slots[threadIdx.x / 32];
+  slots.value[threadIdx.x & 31] = flag ? 1.0f : 0.0f; __syncwarp();
+  bool any = false;
+  for (int lane = 0; lane < 32; lane++) any = any || slots.value[lane] != 0.0f;
+  __syncwarp();
+  return any;
+}
 """   # (float2 and make_float2: the PRELUDE of attention_backward_host.py)
 
 # the forward's helper names on the host: mma with pointer operands, packing, ldmatrix over 16-bit rows, copies

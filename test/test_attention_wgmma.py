@@ -59,6 +59,17 @@ def test_staged_tiles_read_back_through_the_descriptors(block_n, head_dim):
     np.testing.assert_array_equal(got, tile[16 * j:16 * j + 16].T)
 
 
+def test_shifted_descriptor_is_the_descriptor_of_the_shifted_address():
+  """attention_wgmma.shifted_descriptor (a tile's descriptor plus offset / 16) gives the descriptor
+  wgmma_tiles.descriptor builds of the operand's own address, for every 16-byte offset of a tile in shared memory."""
+  from ourgrad.codegen.attention_wgmma import shifted_descriptor
+  assert shifted_descriptor("k_stage", 96, 16, 1024) == \
+      "(wgmma_descriptor(k_stage, 16, 1024) + (unsigned long long)((96) >> 4))"
+  for address in (0, 1024, 0x1c000, 0x37000):
+    for offset in range(0, 0x7000, 16 * 37):
+      assert descriptor(address, 16, 1024) + (offset >> 4) == descriptor(address + offset, 16, 1024)
+
+
 def _plan(dtype, head_dim: int = 64, renderer=None, offset: int = 0, length: int = 1024, batch: int = 4):
   heads = 12
   operand = Operand(1, offset, (heads * length * head_dim, length * head_dim, head_dim, 1))
@@ -87,14 +98,15 @@ def test_rule_picks_wgmma_for_16_bit_operands_on_sm90(monkeypatch):
 
 
 def test_producer_rule_by_registers_and_waves(monkeypatch):
-  """ATTENTION_PRODUCER=1 (the default): three consumer warpgroups at their setmaxnreg share (160) take the most keys a
-  tile that share fits (D = 64: 112) where the grid has PRODUCER_LEAST_WAVES CTAs a multiprocessor (T = 4096; not
-  T = 1024's 288 CTAs on 132); D = 128 fits no 64 keys at 160 and keeps the one-warpgroup rule."""
+  """ATTENTION_PRODUCER=1 (the default): three consumer warpgroups at their setmaxnreg share (160), Q in shared memory,
+  take the most keys a tile that share fits (D = 64: 128) where the grid has PRODUCER_LEAST_WAVES CTAs a
+  multiprocessor (T = 4096; not T = 1024's 288 CTAs on 132); D = 128 fits 80, under PRODUCER_LEAST_KEYS, and keeps
+  the one-warpgroup rule."""
   monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
   monkeypatch.setenv("ATTENTION_PRODUCER", "1")
   plan = _plan(dtypes.bfloat16, length=4096)
-  assert blocks_text(plan) == "192,112,4,1,1,1,0,1,160,1" and plan.threads == 512
+  assert blocks_text(plan) == "192,128,4,1,1,1,1,1,160,1" and plan.threads == 512 and plan.q_shared
   assert attention_wgmma.producer_registers(plan) == 32
   assert blocks_text(_plan(dtypes.bfloat16, length=1024)) == "64,128,2,1,3"
   assert blocks_text(_plan(dtypes.bfloat16, 128, length=4096)) == "64,64,2,1,2"
@@ -102,15 +114,15 @@ def test_producer_rule_by_registers_and_waves(monkeypatch):
 
 def test_producer_rule_needs_rings_of_key_tiles(monkeypatch):
   """A grid with enough CTAs (B=16 T=1024: 1152 on 132 multiprocessors) still keeps the one-warpgroup rule where a
-  causal CTA streams about 5 key tiles of 112 (about one ring of 4 stages: H200 0.140 ms against 0.113); T=4096
-  streams ~19 and takes the producer kernel."""
+  causal CTA streams about 5 key tiles (about one ring of 4 stages: H200 0.140 ms against 0.113); T=4096 streams
+  ~16 of 128 and takes the producer kernel."""
   monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
   monkeypatch.setenv("ATTENTION_WGMMA", "1")
   monkeypatch.setenv("ATTENTION_PRODUCER", "1")
   assert blocks_text(_plan(dtypes.bfloat16, length=1024, batch=16)) == "64,128,2,1,3"
-  assert blocks_text(_plan(dtypes.bfloat16, length=4096, batch=16)) == "192,112,4,1,1,1,0,1,160,1"
+  assert blocks_text(_plan(dtypes.bfloat16, length=4096, batch=16)) == "192,128,4,1,1,1,1,1,160,1"
   long = _plan(dtypes.bfloat16, length=4096)
-  assert attention_wgmma.mean_key_tiles(long) == 19 and attention_wgmma.PRODUCER_LEAST_RINGS * 4 <= 19
+  assert attention_wgmma.mean_key_tiles(long) == 16.5 and attention_wgmma.PRODUCER_LEAST_RINGS * 4 <= 16.5
 
 
 def test_producer_plan_round_trips_through_the_python_program(monkeypatch):
@@ -155,7 +167,7 @@ def test_blocks_override_keeps_whole_warpgroups(monkeypatch):
   # three consumers at 160 leave the producer 32 (setmaxnreg.dec), at 176 none
   monkeypatch.setenv("ATTENTION_BLOCKS", "192,96,4,1,1,1,0,1,160")
   assert attention_wgmma.producer_registers(_plan(dtypes.bfloat16)) == 32
-  for blocks in ("48,64,2", "128,64,2,2", "192,96,4,1,1,1,0,1,176", "128,64,2,1,1,1", "128,64,2,1,1,0,1,1",
+  for blocks in ("48,64,2", "128,64,2,2", "192,96,4,1,1,1,0,1,176", "128,64,2,1,1,1", "128,64,2,1,1,0,0,1,0,0,0,1",
                  "128,64,2,1,1,0,0,0,200", "128,64,2,1,1,0,0,1,0,1", "64,64,2,1,1,1,0,1,0,1"):
     monkeypatch.setenv("ATTENTION_BLOCKS", blocks)
     with pytest.raises(ShapeError, match="wgmma|overlap|producer|ping-pong"): _plan(dtypes.bfloat16)
@@ -183,7 +195,17 @@ def test_cuda_source_compiles_for_sm90a_without_spills(monkeypatch, dtype, causa
               dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, consumer_registers=232),
               dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232),
               dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232,
-                                  pingpong=True, exp_poly=4)]
+                                  pingpong=True, exp_poly=4),
+              # the eager softmax (no vote, a rescale every tile) beside the rule's lazy one
+              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232,
+                                  pingpong=True, rescale_slack=0.0),
+              # Q staged in shared memory by each consumer warpgroup
+              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232,
+                                  pingpong=True, q_shared=True),
+              # a persistent grid walking the query blocks
+              dataclasses.replace(plan, block_m=128, min_ctas=1, producer=True, overlap=True, consumer_registers=232,
+                                  pingpong=True, q_shared=True, persistent=True)]
+  assert plan.rescale_slack > 0
   for variant in variants:
     source_text = render_attention(variant, "attention", {"out": 0, "q": 1, "k": 1, "v": 1})
     assert "wgmma.mma_async" in source_text and NVRTC.target(source_text) == "sm_90a"
@@ -260,3 +282,35 @@ def test_cuda_wgmma_forward_against_torch(monkeypatch, dtype, causal, blocks):
   else: monkeypatch.delenv("ATTENTION_BLOCKS", raising=False)
   o_error, lse_error = _strided_forward_errors("CUDA", dtype, causal)
   assert o_error < 2e-2 and lse_error < 2e-2
+
+
+@pytest.mark.parametrize("warp_tiles", [1, 2])
+def test_emulator_moves_the_reference_as_the_warps_vote(warp_tiles):
+  """runtime/attention_emulator.py with rescale_slack: keys growing along the sequence (the rescale runs in some warps
+  and not others); O and the logsumexp at slack 8 and 0 both match float64, and differ from each other (P taken
+  against a stale reference, rounded to bfloat16 at another scale), so the vote's path was taken."""
+  from ourgrad.dtype import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+  from ourgrad.runtime.attention_emulator import emulate_attention
+  batch, heads, length, head_dim = 1, 2, 200, 64
+  rng = np.random.default_rng(3)
+  arrays = [rng.standard_normal((batch, heads, length, head_dim)).astype(np.float32) for _ in range(3)]
+  arrays[1] *= (1 + 0.05 * np.arange(length, dtype=np.float32))[:, None]
+  stored = [float32_to_bfloat16_bits(array) for array in arrays]
+  operand = Operand(1, 0, (heads * length * head_dim, length * head_dim, head_dim, 1))
+  shape = (batch, heads, length, head_dim)
+  base = plan_attention(operand, operand, operand, (shape, shape), dtypes.bfloat16, True, head_dim ** -0.5,
+                        CUDARenderer("sm_80"))
+  twin = [torch.tensor(bfloat16_bits_to_float32(array), dtype=torch.float64) for array in stored]
+  scores = twin[0] @ twin[1].transpose(-1, -2) * head_dim ** -0.5
+  scores = scores.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(), -float("inf"))
+  want_o, want_lse = (torch.softmax(scores, -1) @ twin[2]).transpose(1, 2).numpy(), torch.logsumexp(scores, -1).numpy()
+  results = []
+  for slack in (8.0, 0.0):
+    plan = dataclasses.replace(base, block_m=64, block_n=32, warp_tiles=warp_tiles, rescale_slack=slack)
+    out = np.zeros(plan.output_elements * 2, dtype=np.uint8)
+    emulate_attention(plan, out, *(array.view(np.uint8) for array in stored))
+    o = bfloat16_bits_to_float32(out.view(np.uint16)[:plan.o_elements]).reshape(batch, length, heads, head_dim)
+    lse = out.view(np.float32)[plan.lse_offset:plan.lse_offset + batch * heads * length].reshape(batch, heads, length)
+    assert np.linalg.norm(o - want_o) / np.linalg.norm(want_o) < 2e-2 and np.abs(lse - want_lse).max() < 2e-2
+    results.append(o)
+  assert not np.array_equal(results[0], results[1])

@@ -53,6 +53,8 @@ def _run(dtype: str, causal: bool, batch: int, heads: int, kv_heads: int, length
   rng = np.random.default_rng(seed)
   arrays = [rng.standard_normal((batch, count, rows, head_dim)).astype(np.float32)
             for count, rows in ((heads, length), (kv_heads, source), (kv_heads, source))]
+  # key_growth g: key s scaled by 1 + g s, so a row's max keeps growing from tile to tile (the softmax's rescales)
+  arrays[1] *= (1 + blocks.pop("key_growth", 0.0) * np.arange(source, dtype=np.float32))[:, None]
   stored = [_stored(array, dtype) for array in arrays]
   scale = blocks.pop("scale", 1 / math.sqrt(head_dim))
   # offset 1: each buffer starts one element before its operand (rows not 4-byte aligned: element loads and copies)
@@ -193,3 +195,57 @@ def test_wgmma_rule_and_head_dim_128_on_host(monkeypatch):
   assert o_error < TOLERANCES["bfloat16"] and lse_error < 2e-2
   _, o_error, lse_error = _run("float16", False, 1, 2, 2, 150, 90, 128, seed=7, q_shared=True, stages=3, overlap=True)
   assert o_error < TOLERANCES["float16"] and lse_error < 2e-2
+
+
+# (mma, block_m, block_n, stages, overlap, producer, pingpong): the mma.sync kernel, the one-warpgroup wgmma kernel
+# with P V in flight, three consumers of a producer warpgroup taking turns
+LAZY_RESCALE_CONFIGS = [("mma_sync", 64, 32, 2, False, False, False), ("wgmma", 64, 16, 4, True, False, False),
+                        ("wgmma", 192, 16, 3, True, True, True)]
+
+
+@pytest.mark.parametrize("slack", [0.0, 8.0])
+@pytest.mark.parametrize("config", LAZY_RESCALE_CONFIGS, ids=lambda c: "{}_m{}_n{}_s{}".format(*c[:4]))
+def test_lazy_rescale_on_host(slack, config):
+  """plan.rescale_slack: keys whose scores grow along the sequence (a row's max passes the reference by more than the
+  slack tile after tile, so the rescale runs in some warps and not in others, and P reaches 2^slack), causal over
+  two batches of three heads (the longest-first order of the CTAs across heads), against float64; slack 0: the eager
+  softmax (with the chained max and sum; slack 8 with their trees)."""
+  mma, block_m, block_n, stages, overlap, producer, pingpong = config
+  plan, o_error, lse_error = _run("bfloat16", True, 2, 3, 1, 200, 200, 64, seed=10, key_growth=0.05, mma=mma,
+                                  block_m=block_m, block_n=block_n, stages=stages, overlap=overlap, producer=producer,
+                                  pingpong=pingpong, min_ctas=1, rescale_slack=slack, tree_reduce=slack > 0)
+  assert plan.rescale_slack == slack and plan.query_blocks > 1 and plan.tree_reduce == (slack > 0)
+  assert o_error < TOLERANCES["bfloat16"], (plan, o_error)
+  assert lse_error < 2e-2, (plan, lse_error)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", [(192, 32, 3, True, True), (128, 64, 2, False, False)],
+                         ids=lambda c: "m{}_n{}_s{}_o{:d}_p{:d}".format(*c))
+def test_wgmma_producer_with_q_in_shared_memory_on_host(causal, config):
+  """plan.producer with q_shared: each consumer warpgroup stages its own 64 query rows (rows past L as zeros) and
+  reads S's A operand through a descriptor; three consumers taking turns, two without overlap; odd lengths."""
+  block_m, block_n, stages, overlap, pingpong = config
+  plan, o_error, lse_error = _run("bfloat16", causal, 2, 2, 1, 83 if causal else 70, 83 if causal else 131, 64,
+                                  seed=11, mma="wgmma", block_m=block_m, block_n=block_n, stages=stages,
+                                  overlap=overlap, producer=True, min_ctas=1, pingpong=pingpong, q_shared=True)
+  assert plan.q_shared and plan.threads == block_m * 2 + 128
+  assert o_error < TOLERANCES["bfloat16"], (plan, o_error)
+  assert lse_error < 2e-2, (plan, lse_error)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("config", [(192, 32, 3, True, True), (128, 64, 2, False, False)],
+                         ids=lambda c: "m{}_n{}_s{}_o{:d}_p{:d}".format(*c))
+def test_persistent_producer_on_host(causal, config):
+  """plan.persistent: a grid of 3 CTAs (multiprocessors=3) walks 12 query blocks (two batches of two heads, 3 blocks
+  each) in the snake order, the ring's count and phases running on across a CTA's items (a stage left unreleased or
+  a phase off by one hangs here as on the GPU), the next item's Q staged by each consumer warpgroup."""
+  block_m, block_n, stages, overlap, pingpong = config
+  plan, o_error, lse_error = _run("bfloat16", causal, 2, 2, 1, 2 * block_m + 11, 2 * block_m + 11, 64, seed=12,
+                                  mma="wgmma", block_m=block_m, block_n=block_n, stages=stages, overlap=overlap,
+                                  producer=True, min_ctas=1, pingpong=pingpong, q_shared=True, persistent=True,
+                                  multiprocessors=3)
+  assert plan.global_size == (3, 1, 1) and plan.items == 12
+  assert o_error < TOLERANCES["bfloat16"], (plan, o_error)
+  assert lse_error < 2e-2, (plan, lse_error)

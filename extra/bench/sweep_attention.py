@@ -95,6 +95,11 @@ def main() -> None:
   parser.add_argument("--not-causal", action="store_true")
   parser.add_argument("--device", default="CUDA", help="ourgrad device (PYTHON with EMULATE=CUDA: a smoke test)")
   parser.add_argument("--launches", type=int, default=20)
+  parser.add_argument("--slacks", nargs="+", type=float, default=[None],
+                      help="ATTENTION_RESCALE_SLACK values to run each configuration with (default: the setting's own)")
+  parser.add_argument("--settings", nargs="+", default=[""],
+                      help="NAME=VALUE[,NAME=VALUE] environment settings to run each configuration under, e.g. "
+                      "ATTENTION_TREE_REDUCE=0 (default: as the environment has them)")
   args = parser.parse_args()
   causal = not args.not_causal
   set_float32_matmul_precision("high")
@@ -119,14 +124,19 @@ def main() -> None:
             f"{1.0:>8.2f}  {torch_error:.2e}", flush=True)
       runs = [(ldmatrix, 0, config) for ldmatrix in args.ldmatrix for config in [None, *args.configs]]
       if args.wgmma_configs is not None: runs += [(1, 1, config) for config in [None, *args.wgmma_configs]]
-      for ldmatrix, wgmma, config in runs:
+      for (ldmatrix, wgmma, config), slack, setting in ((run, slack, setting) for run in runs for slack in args.slacks
+                                                         for setting in args.settings):
+        for name, value in (pair.split("=", 1) for pair in setting.split(",") if pair): os.environ[name] = value
         os.environ["ATTENTION_LDMATRIX"], os.environ["ATTENTION_WGMMA"] = str(ldmatrix), str(wgmma)
         if config is None: os.environ.pop("ATTENTION_BLOCKS", None)
         else: os.environ["ATTENTION_BLOCKS"] = config
+        if slack is not None: os.environ["ATTENTION_RESCALE_SLACK"] = str(slack)
         label = "rule" if config is None else config + ("" if ldmatrix else " lds") + (" wgmma" if wgmma else "")
         try:
           seconds, got, blocks = ourgrad_forward(arrays, dtype, causal, args.device, args.launches)
           if config is None: label = f"rule {blocks}"
+          if slack is not None: label += f" slack {slack:g}"
+          if setting: label += f" {setting}"
           print(f"{length:>5} {dtype:>8} {label:>20} {seconds * 1e3:>8.3f} {flops / seconds / 1e12:>8.1f} "
                 f"{seconds / torch_time:>8.2f}  {float(np.abs(got - want).max()):.2e}", flush=True)
         except Exception as error:  # noqa: BLE001 (report and go on)

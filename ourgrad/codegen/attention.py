@@ -18,7 +18,9 @@ keeps a running max and sum per row in registers (exp2 with scale * log2(e) fold
 operand type in registers and adds P V with mma.sync (16-bit V's fragments by ldmatrix.trans). `plan_attention`
 sizes the tiles by a rule of the operand bytes, registers and shared memory; ATTENTION_BLOCKS overrides it.
 Causal CTAs stop at their last row's diagonal tile and mask the tiles that cross it; the CTAs with the most tiles
-start first. With `mma="wgmma"` (sm_90, 16-bit operands; ATTENTION_WGMMA=0 opts out) S and P V run on warpgroup MMA,
+start first, across all heads (`_block_index_lines`). The softmax moves a row's reference max lazily
+(`rescale_slack`, ATTENTION_RESCALE_SLACK). With `mma="wgmma"` (sm_90, 16-bit operands; ATTENTION_WGMMA=0 opts out)
+S and P V run on warpgroup MMA,
 K and V staged in swizzled tiles (codegen/attention_wgmma.py); the masks, softmax and store are the same.
 `render_attention` writes the CUDA C++ (runtime: renderer/cuda.py `render_attention`); runtime/attention_emulator.py
 runs the same plan with numpy for the PYTHON device (EMULATE=CUDA).
@@ -61,15 +63,25 @@ ATTENTION_PRODUCER = env_var("ATTENTION_PRODUCER", 1, "1: the wgmma attention fo
                              "kernel (three consumer warpgroups fed by a producer warpgroup, "
                              "codegen/attention_wgmma.py `producer_plan`) where it fits and the grid is large enough; "
                              "0: one warpgroup a CTA")
+ATTENTION_RESCALE_SLACK = env_var("ATTENTION_RESCALE_SLACK", 8.0, "the fused attention forward's online softmax "
+                                  "moves a row's reference max only where a tile passes it by more than this (log2 "
+                                  "units), a warp's rescale skipped where no row passes; 0: rescale every tile "
+                                  "(codegen/attention.py `_lazy_softmax_lines`)")
+ATTENTION_TREE_REDUCE = env_var("ATTENTION_TREE_REDUCE", 0, "1: the fused attention forward's softmax takes a row's "
+                                "max and sum of a tile as trees of pairwise operations; 0: as chains (H200 bf16 "
+                                "T=4096: the producer rule 0.259 ms with chains, 0.262 with trees; the mma.sync rule "
+                                "0.398 and 0.389, results/ck_s17/attnfwd5_2.txt)")
 ATTENTION_BLOCKS = env_var("ATTENTION_BLOCKS", "", "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
-                           "[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly]]]]]]]]] of the fused "
+                           "[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly[,persistent]]]]]]]]]]] of "
+                           "the fused "
                            "attention forward instead of its rule's (codegen/attention.py `plan_attention`), e.g. "
                            "128,64,2,1,2: what extra/bench/sweep_attention.py tries; overlap 1 (wgmma, 3 stages or "
                            "more, 2 with a producer): S and softmax while the previous P V runs; q_shared 1 (wgmma): "
                            "Q staged in shared memory; producer 1 (wgmma): a producer warpgroup fills a ring of "
                            "stages through mbarriers; consumer_registers: the consumers' setmaxnreg (0: their share); "
                            "pingpong 1: the consumer warpgroups take turns on the tensor cores; exp_poly k: every "
-                           "k-th 8 keys' exp2 by a polynomial on the FMA pipe")
+                           "k-th 8 keys' exp2 by a polynomial on the FMA pipe; persistent 1 (producer): one CTA a "
+                           "multiprocessor walks its share of the query blocks")
 # element dtypes the kernel reads (float32 only through TF32)
 OPERAND_DTYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16)
 
@@ -124,8 +136,18 @@ class AttentionPlan:
   # every exp_poly-th 8 keys of a tile take exp2 by POLY_EXP2_HELPER on the FMA pipe, the rest by MUFU (at D = 64 a
   # tile's exponentials take MUFU as long as its products take the tensor cores); 0: all by MUFU
   exp_poly: int = 0
+  # the online softmax's reference max moves only where a tile's max passes it by more than this (log2 units; P
+  # stays under 2^slack), a warp's rescale skipped where none of its rows passes (FlashAttention-4); 0: every tile
+  rescale_slack: float = 0.0
+  # producer: a persistent grid of one CTA a multiprocessor, each walking its share of the query blocks
+  # (attention_wgmma.persistent_lines), the producer copying the next block's tiles while the consumers store this one
+  persistent: bool = False
+  # the softmax's max and sum of a row's scores as trees of pairwise operations, not chains (_tree_lines)
+  tree_reduce: bool = False
   # 32-bit registers of the multiprocessor it runs on (the device's fact: what setmaxnreg divides)
   multiprocessor_registers: int = ASSUMED_CUDA_GPU.registers_per_multiprocessor
+  # the device's multiprocessors (a persistent grid's CTAs)
+  multiprocessors: int = ASSUMED_CUDA_GPU.multiprocessors
 
   @property
   def itemsize(self) -> int: return 4 if self.dtype == "float32" else 2
@@ -168,7 +190,8 @@ class AttentionPlan:
   def fragment_registers(self) -> int:
     """Registers per thread of Q's A fragments, O's and S's accumulators (FRAGMENT_REGISTERS)."""
     k_step, a_registers, _ = MMA_SHAPES[self.dtype]
-    return (self.head_dim // k_step * a_registers + self.head_dim // 2 + self.block_n // 2) * self.warp_tiles
+    queries = 0 if self.q_shared else self.head_dim // k_step * a_registers
+    return (queries + self.head_dim // 2 + self.block_n // 2) * self.warp_tiles
 
   @property
   def group(self) -> int:
@@ -179,7 +202,14 @@ class AttentionPlan:
   def query_blocks(self) -> int: return math.ceil(self.length / self.block_m)
 
   @property
-  def global_size(self) -> tuple[int, int, int]: return (self.query_blocks, self.heads, self.batch)
+  def items(self) -> int:
+    """Query blocks of every (batch, head): the CTAs of the grid, or a persistent grid's work."""
+    return self.query_blocks * self.heads * self.batch
+
+  @property
+  def global_size(self) -> tuple[int, int, int]:
+    if self.persistent: return (min(self.items, self.multiprocessors), 1, 1)
+    return (self.query_blocks, self.heads, self.batch)
 
   @property
   def local_size(self) -> tuple[int, int, int]: return (self.threads, 1, 1)
@@ -220,10 +250,12 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
     attention_wgmma.wgmma_refusal(dtype.name, head_dim, vector_copies) is None
   base = AttentionPlan(dtype.name, batch, heads, kv_heads, length, source, head_dim, causal, scale, q, k, v,
                        vector_copies=vector_copies, ldmatrix=bool(ATTENTION_LDMATRIX),
+                       rescale_slack=float(ATTENTION_RESCALE_SLACK.value), tree_reduce=bool(ATTENTION_TREE_REDUCE),
                        mma="wgmma" if wgmma else "mma_sync",
                        block_m=attention_wgmma.WGMMA_BLOCK_M if wgmma else BLOCK_M)
   registers = getattr(renderer, "registers_per_multiprocessor", 0) or ASSUMED_CUDA_GPU.registers_per_multiprocessor
-  base = replace(base, multiprocessor_registers=registers)
+  multiprocessors = getattr(renderer, "multiprocessors", 0) or ASSUMED_CUDA_GPU.multiprocessors
+  base = replace(base, multiprocessor_registers=registers, multiprocessors=multiprocessors)
   if ATTENTION_BLOCKS.value: return _with_consumer_registers(
       _checked(replace(base, **_blocks_override(str(ATTENTION_BLOCKS.value)))), registers)
   budget = renderer.dynamic_local_memory_bytes // CTAS_PER_PROCESSOR
@@ -231,7 +263,6 @@ def plan_attention(q: Operand, k: Operand, v: Operand, shapes: tuple[tuple[int, 
   fitting = [plan for plan in fitting if plan.fragment_registers <= FRAGMENT_REGISTERS and plan.shared_bytes <= budget]
   plan = fitting[0] if fitting else replace(base, block_n=BLOCK_N_CHOICES[-1])
   if not wgmma: return plan
-  multiprocessors = getattr(renderer, "multiprocessors", 0) or ASSUMED_CUDA_GPU.multiprocessors
   producer = attention_wgmma.producer_plan(plan, multiprocessors, registers, renderer.dynamic_local_memory_bytes) \
       if ATTENTION_PRODUCER else None
   return producer or replace(plan, min_ctas=attention_wgmma.resident_ctas(plan, CTAS_PER_PROCESSOR, registers))
@@ -257,12 +288,15 @@ def _checked(plan: AttentionPlan) -> AttentionPlan:
                      "(2 with a producer warpgroup)")
   if plan.q_shared and (plan.mma != "wgmma" or not plan.q.vector_aligned(COPY_BYTES // plan.itemsize)):
     raise ShapeError(f"Q in shared memory with {plan.mma}, q {plan.q}: want wgmma and 16-byte aligned rows")
-  if plan.producer and (plan.mma != "wgmma" or plan.q_shared or plan.stages < 2):
-    raise ShapeError(f"a producer warpgroup with {plan.mma}, q_shared {plan.q_shared}, {plan.stages} stages: want "
-                     "wgmma, Q in registers and 2 stages or more")
+  if plan.producer and (plan.mma != "wgmma" or plan.stages < 2):
+    raise ShapeError(f"a producer warpgroup with {plan.mma}, {plan.stages} stages: want wgmma and 2 stages or more")
   if plan.pingpong and not (plan.producer and plan.overlap and plan.block_m >= 2 * attention_wgmma.WARPGROUP_ROWS):
     raise ShapeError(f"ping-pong of {plan.block_m // attention_wgmma.WARPGROUP_ROWS} consumer warpgroups, producer "
                      f"{plan.producer}, overlap {plan.overlap}: want a producer, overlap and 2 warpgroups or more")
+  # (Q loaded into registers at each item of a persistent CTA made ptxas serialize the wgmmas, C7519)
+  if plan.persistent and not (plan.producer and plan.q_shared):
+    raise ShapeError("a persistent attention grid without a producer warpgroup or with Q in registers: want producer "
+                     "and q_shared")
   if plan.exp_poly < 0: raise ShapeError(f"exp_poly {plan.exp_poly}: want every k-th 8 keys, k >= 1, or 0 for none")
   if plan.consumer_registers and plan.producer and \
       attention_wgmma.producer_registers(plan) < attention_wgmma.LEAST_PRODUCER_REGISTERS:
@@ -275,18 +309,19 @@ def _checked(plan: AttentionPlan) -> AttentionPlan:
 
 
 BLOCKS_FIELDS = ("block_m", "block_n", "stages", "warp_tiles", "min_ctas", "overlap", "q_shared", "producer",
-                 "consumer_registers", "pingpong", "exp_poly")
-_FLAG_FIELDS = ("overlap", "q_shared", "producer", "pingpong")
+                 "consumer_registers", "pingpong", "exp_poly", "persistent")
+_FLAG_FIELDS = ("overlap", "q_shared", "producer", "pingpong", "persistent")
 
 
 def _blocks_override(text: str) -> dict[str, Any]:
   """ATTENTION_BLOCKS's "block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap[,q_shared[,producer
-  [,consumer_registers[,pingpong[,exp_poly]]]]]]]]]" as plan fields."""
+  [,consumer_registers[,pingpong[,exp_poly[,persistent]]]]]]]]]]" as plan fields."""
   values = [int(part) for part in text.split(",")]
   warp_rows = WARP_ROWS * (values[3] if len(values) >= 4 else 1)
   if not 2 <= len(values) <= len(BLOCKS_FIELDS) or values[0] % warp_rows or values[1] % 16:
     raise ShapeError(f"ATTENTION_BLOCKS={text!r}: want block_m,block_n[,stages[,warp_tiles[,min_ctas[,overlap"
-                     f"[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly]]]]]]]]], block_m a multiple of "
+                     f"[,q_shared[,producer[,consumer_registers[,pingpong[,exp_poly[,persistent]]]]]]]]]]], block_m "
+                     "a multiple of "
                      f"{WARP_ROWS} * warp_tiles, block_n of 16")
   return {name: bool(value) if name in _FLAG_FIELDS else value for name, value in zip(BLOCKS_FIELDS, values)}
 
@@ -471,21 +506,20 @@ def _mask_lines(plan: AttentionPlan) -> list[str]:
   those crossing the diagonal; S scaled by scale * log2(e) here where the scale is not folded into the softmax."""
   n_tiles = plan.block_n // 8
   crossing = f" || tile * {plan.block_n} + {plan.block_n - 1} > block_first_row" if plan.causal else ""
+  each = ["#pragma unroll",
+          f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+          "#pragma unroll",
+          f"    for (int n = 0; n < {n_tiles}; n++)",
+          "#pragma unroll",
+          "      for (int i = 0; i < 4; i++) {"]
+  mask = [f"        int key = tile * {plan.block_n} + n * 8 + quad * 2 + (i & 1);",
+          f"        int row = first_row + mt * {WARP_ROWS} + (i >> 1) * 8;",
+          f"        if (key >= {plan.source}{' || key > row' if plan.causal else ''}) scores[mt][n][i] = NEG_INF;"]
+  # one branch around the whole tile's masks (a test inside the unrolled loop left ptxas a branch every 8 keys, taken
+  # on every tile)
   return [f"    bool masked = (tile + 1) * {plan.block_n} > {plan.source}{crossing};",
-        "#pragma unroll",
-        f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
-        "#pragma unroll",
-        f"    for (int n = 0; n < {n_tiles}; n++) {{",
-        "#pragma unroll",
-        "      for (int i = 0; i < 4; i++) {",
-        *([] if plan.folded_scale else ["        scores[mt][n][i] *= scale_log2;"]),
-        "        if (masked) {",
-        f"          int key = tile * {plan.block_n} + n * 8 + quad * 2 + (i & 1);",
-        f"          int row = first_row + mt * {WARP_ROWS} + (i >> 1) * 8;",
-        f"          if (key >= {plan.source}{' || key > row' if plan.causal else ''}) scores[mt][n][i] = NEG_INF;",
-        "        }",
-        "      }",
-        "    }"]
+          *([] if plan.folded_scale else [*each, "        scores[mt][n][i] *= scale_log2;", "      }"]),
+          "    if (masked) {", *each, *mask, "      }", "    }"]
 
 
 def _scores_load_lines(plan: AttentionPlan) -> list[str]:
@@ -546,52 +580,130 @@ def _softmax_lines(plan: AttentionPlan, deferred: bool = False) -> list[str]:
   """The online softmax per row (a quad of lanes shares a row): the running max (in log2 units: S scaled by
   scale * log2(e)), the old sums and outputs rescaled, P = exp2(S scale log2(e) - max) in place of the scores, the
   scale folded into one fma per element where it is positive. `deferred`: the outputs' factor is kept in
-  row_rescale for _rescale_lines (a P V still in flight adds to them)."""
-  n_tiles, d_tiles = plan.block_n // 8, plan.head_dim // 8
+  row_rescale for _rescale_lines (a P V still in flight adds to them). With plan.rescale_slack the reference a row's
+  P is taken against moves only where the tile's max passes it by more than the slack (_lazy_softmax_lines)."""
+  if plan.rescale_slack: return _lazy_softmax_lines(plan, deferred)
   scaled_max = "tile_max * scale_log2" if plan.folded_scale else "tile_max"
+  return ["#pragma unroll",
+          f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+          "#pragma unroll",
+          "    for (int half = 0; half < 2; half++) {",
+          *_tile_max_lines(plan),
+          f"      float new_max = fmaxf(row_max[mt][half], {scaled_max});",
+          # a row whose keys so far are all masked keeps max -inf: subtract 0 instead (its P is 0 either way)
+          "      float reference = new_max == NEG_INF ? 0.0f : new_max;",
+          "      float rescale = fast_exp2(row_max[mt][half] - reference);",
+          "      row_max[mt][half] = new_max;",
+          *_power_sum_lines(plan),
+          # each lane keeps its own part of the sum: the quad adds them once, at the end
+          "      row_sum[mt][half] = row_sum[mt][half] * rescale + partial;",
+          *_kept_rescale_lines(plan, deferred),
+          "    }"]
 
+
+def _lazy_softmax_lines(plan: AttentionPlan, deferred: bool) -> list[str]:
+  """The online softmax with a lazy reference (FlashAttention-4's conditional rescale): a row's P is exp2 of its
+  scaled scores less row_max, and row_max moves to the running max only where this tile's max passes it by more
+  than plan.rescale_slack (log2 units: P stays under 2^slack, as exactly rounded to 16 bits as under 1). The warp
+  votes: where no row of it passes, the sums and outputs keep their scale and the tile skips the rescale's exp2s and
+  the D / 2 multiplies of the outputs a row half (`rescaled` tells _rescale_lines). Slack 0 would be the eager
+  softmax's arithmetic exactly; the lse (row_max + log2 sum) holds with any reference."""
+  scaled_max = "tile_max * scale_log2" if plan.folded_scale else "tile_max"
+  each = ["#pragma unroll", f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+          "#pragma unroll", "    for (int half = 0; half < 2; half++) {"]
+  return [f"    float tile_maxima[{plan.warp_tiles}][2];",
+          "    bool passes = false;",
+          *each,
+          *_tile_max_lines(plan),
+          f"      tile_maxima[mt][half] = {scaled_max};",
+          f"      passes |= tile_maxima[mt][half] > row_max[mt][half] + {float(plan.rescale_slack)!r}f;",
+          "    }",
+          "    bool rescaled = __any_sync(0xffffffffu, passes);",
+          "    if (rescaled) {",
+          *each,
+          "      float new_max = fmaxf(row_max[mt][half], tile_maxima[mt][half]);",
+          "      float rescale = fast_exp2(row_max[mt][half] - (new_max == NEG_INF ? 0.0f : new_max));",
+          "      row_max[mt][half] = new_max;",
+          "      row_sum[mt][half] *= rescale;",
+          *_kept_rescale_lines(plan, deferred),
+          "    }",
+          "    }",
+          *each,
+          # a row whose keys so far are all masked keeps max -inf: subtract 0 instead (its P is 0 either way)
+          "      float reference = row_max[mt][half] == NEG_INF ? 0.0f : row_max[mt][half];",
+          *_power_sum_lines(plan),
+          "      row_sum[mt][half] += partial;",
+          "    }"]
+
+
+def _tile_max_lines(plan: AttentionPlan) -> list[str]:
+  """tile_max: the max of the tile's scores in row half `half` of m tile `mt`, over the quad that shares the row
+  (tree_reduce: a tree of depth log2(block_n / 8) + 1 over the lane's pairs, else a chain)."""
+  pairs = [f"fmaxf(scores[mt][{n}][half * 2], scores[mt][{n}][half * 2 + 1])" for n in range(plan.block_n // 8)]
+  own = (_tree_lines("tile_max", pairs, "fmaxf({}, {})") if plan.tree_reduce else
+         ["      float tile_max = NEG_INF;",
+          "#pragma unroll",
+          f"      for (int n = 0; n < {plan.block_n // 8}; n++) "
+          "tile_max = fmaxf(tile_max, fmaxf(scores[mt][n][half * 2], scores[mt][n][half * 2 + 1]));"])
+  return [*own,
+          "      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));",
+          "      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));"]
+
+
+def _power_sum_lines(plan: AttentionPlan) -> list[str]:
+  """P = exp2(S scale log2(e) - reference) in place of the row half's scores, and `partial`: this lane's part of
+  their sum."""
   def power(element: str) -> str:
     argument = f"fmaf({element}, scale_log2, -reference)" if plan.folded_scale else f"{element} - reference"
     # (n is a constant in the unrolled loop: each element is one or the other)
     if plan.exp_poly: return (f"{element} = n % {plan.exp_poly} == {plan.exp_poly - 1} ? poly_exp2({argument}) : "
                               f"fast_exp2({argument});")
     return f"{element} = fast_exp2({argument});"
-  return ["#pragma unroll",
-          f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
+  if plan.tree_reduce:
+    pairs = [f"scores[mt][{n}][half * 2] + scores[mt][{n}][half * 2 + 1]" for n in range(plan.block_n // 8)]
+    return ["#pragma unroll",
+            f"      for (int n = 0; n < {plan.block_n // 8}; n++) {{",
+            "        " + power("scores[mt][n][half * 2]"),
+            "        " + power("scores[mt][n][half * 2 + 1]"),
+            "      }",
+            *_tree_lines("partial", pairs, "{} + {}")]
+  return ["      float partial = 0.0f;",
           "#pragma unroll",
-          "    for (int half = 0; half < 2; half++) {",
-          "      float tile_max = NEG_INF;",
-          "#pragma unroll",
-          f"      for (int n = 0; n < {n_tiles}; n++) "
-          "tile_max = fmaxf(tile_max, fmaxf(scores[mt][n][half * 2], scores[mt][n][half * 2 + 1]));",
-          "      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));",
-          "      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));",
-          f"      float new_max = fmaxf(row_max[mt][half], {scaled_max});",
-          # a row whose keys so far are all masked keeps max -inf: subtract 0 instead (its P is 0 either way)
-          "      float reference = new_max == NEG_INF ? 0.0f : new_max;",
-          "      float rescale = fast_exp2(row_max[mt][half] - reference);",
-          "      row_max[mt][half] = new_max;",
-          "      float partial = 0.0f;",
-          "#pragma unroll",
-          f"      for (int n = 0; n < {n_tiles}; n++) {{",
+          f"      for (int n = 0; n < {plan.block_n // 8}; n++) {{",
           "        " + power("scores[mt][n][half * 2]"),
           "        " + power("scores[mt][n][half * 2 + 1]"),
           "        partial += scores[mt][n][half * 2] + scores[mt][n][half * 2 + 1];",
-          "      }",
-          # each lane keeps its own part of the sum: the quad adds them once, at the end
-          "      row_sum[mt][half] = row_sum[mt][half] * rescale + partial;",
-          *(["      row_rescale[mt][half] = rescale;"] if deferred else
-            ["#pragma unroll",
-             f"      for (int d = 0; d < {d_tiles}; d++) {{",
-             "        outputs[mt][d][half * 2] *= rescale;",
-             "        outputs[mt][d][half * 2 + 1] *= rescale;",
-             "      }"]),
-          "    }"]
+          "      }"]
+
+
+def _tree_lines(target: str, leaves: list[str], combine: str) -> list[str]:
+  """`float target` = the leaves combined pairwise in a tree (`combine` formats two operands): log2 of their count
+  levels of independent operations, where a chain would be as many dependent ones as leaves (each waits out the
+  last one's latency)."""
+  names = [f"{target}_{index}" for index in range(len(leaves))]
+  lines = [f"      float {name} = {leaf};" for name, leaf in zip(names, leaves)]
+  while len(names) > 1:
+    lines += [f"      {names[index]} = {combine.format(names[index], names[index + 1])};"
+              for index in range(0, len(names) - 1, 2)]
+    names = names[::2]
+  return lines + [f"      float {target} = {names[0]};"]
+
+
+def _kept_rescale_lines(plan: AttentionPlan, deferred: bool) -> list[str]:
+  """The outputs of the row half times `rescale`, or (deferred) the factor kept in row_rescale."""
+  if deferred: return ["      row_rescale[mt][half] = rescale;"]
+  return ["#pragma unroll",
+          f"      for (int d = 0; d < {plan.head_dim // 8}; d++) {{",
+          "        outputs[mt][d][half * 2] *= rescale;",
+          "        outputs[mt][d][half * 2 + 1] *= rescale;",
+          "      }"]
 
 
 def _rescale_lines(plan: AttentionPlan) -> list[str]:
-  """The outputs times the factor a deferred softmax kept (row_rescale) of their row."""
-  return ["#pragma unroll",
+  """The outputs times the factor a deferred softmax kept (row_rescale) of their row (rescale_slack: where the tile's
+  softmax rescaled)."""
+  return [*(["    if (rescaled)"] if plan.rescale_slack else []),
+          "#pragma unroll",
           f"    for (int mt = 0; mt < {plan.warp_tiles}; mt++)",
           "#pragma unroll",
           f"    for (int d = 0; d < {plan.head_dim // 8}; d++)",
@@ -725,19 +837,36 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
       [f"  {storage}* k_tiles = ({storage}*)attention_shared;",
        f"  {storage}* v_tiles = k_tiles + {plan.stages * plan.tile_elements};"]),
     "  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, group = lane >> 2, quad = lane & 3;",
-    # causal: the last query blocks have the most tiles, so they are launched first
-    f"  int query_block = {'gridDim.x - 1 - ' if plan.causal else ''}blockIdx.x;",
-    "  int head = blockIdx.y, batch = blockIdx.z;",
-    f"  int kv_head = head / {plan.group};",
-    f"  int block_first_row = query_block * {plan.block_m};",
-    f"  int first_row = block_first_row + warp * {plan.warp_rows} + group;",
-    f"  const {storage}* q_base = q_buffer + {_element_offset(plan.q, 'batch', 'head')};",
-    f"  const {storage}* k_base = k_buffer + {_element_offset(plan.k, 'batch', 'kv_head')};",
-    f"  const {storage}* v_base = v_buffer + {_element_offset(plan.v, 'batch', 'kv_head')};",
     f"  const float scale_log2 = {plan.scale * LOG2_E!r}f;",
+  ]
+  item = [*_block_index_lines(plan),
+          f"  int kv_head = head / {plan.group};",
+          f"  int block_first_row = query_block * {plan.block_m};",
+          f"  int first_row = block_first_row + warp * {plan.warp_rows} + group;",
+          f"  const {storage}* q_base = q_buffer + {_element_offset(plan.q, 'batch', 'head')};",
+          f"  const {storage}* k_base = k_buffer + {_element_offset(plan.k, 'batch', 'kv_head')};",
+          f"  const {storage}* v_base = v_buffer + {_element_offset(plan.v, 'batch', 'kv_head')};"]
+  if plan.persistent:
+    lines += attention_wgmma.persistent_lines(plan, [*item, f"  int tiles = {tiles};"], _consumer_item_lines(plan))
+    return "\n".join(line for line in [*lines, "}"] if line) + "\n"
+  lines += [
+    *item,
     # (a producer warpgroup copies the tiles from here on and leaves; the consumers go on)
     *([f"  int tiles = {tiles};", *attention_wgmma.producer_lines(plan)] if plan.producer else []),
-    *([] if plan.q_shared else _q_fragment_lines(plan)),
+    *_consumer_item_lines(plan, tiles),
+    "}",
+  ]
+  return "\n".join(line for line in lines if line) + "\n"
+
+
+def _consumer_item_lines(plan: AttentionPlan, tiles: str = "") -> list[str]:
+  """One query block's work after its copies are under way: Q, O's accumulators and the row statistics set up, the
+  loop over key tiles (without a producer: copy_tile and the first tile's copies first, `tiles` named here), the
+  store."""
+  wgmma = plan.mma == "wgmma"
+  return [
+    *(attention_wgmma.own_q_lines(plan) if plan.q_shared and plan.producer else
+      [] if plan.q_shared else _q_fragment_lines(plan)),
     f"  float outputs[{plan.warp_tiles}][{plan.head_dim // 8}][4], row_max[{plan.warp_tiles}][2], "
     f"row_sum[{plan.warp_tiles}][2];",
     "#pragma unroll",
@@ -755,17 +884,30 @@ def render_attention(plan: AttentionPlan, name: str | None = None, arguments: di
       "  copy_tile(0, 0);",
       *(attention_wgmma.overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
                                               _rescale_lines(plan)) if plan.overlap else _loop_lines(plan))]),
-    *_store_lines(plan),
-    "}",
-  ]
-  return "\n".join(line for line in lines if line) + "\n"
+    *_store_lines(plan)]
+
+
+def _block_index_lines(plan: AttentionPlan) -> list[str]:
+  """query_block, head and batch of this CTA. Causal: CTAs start in the order of their linear index (x fastest), and
+  that index counts the query blocks down across every (batch, head) before the next block (all the last blocks, the
+  longest, first; then the next ones), so the grid's tail is the shortest CTAs wherever a head's rows fall (by the
+  grid's own x, y, z each head would run its longest block beside others' short ones, to the end)."""
+  pairs = plan.heads * plan.batch
+  if plan.persistent and not plan.causal:   # (a persistent CTA's `order`: attention_wgmma._rounds)
+    return [f"  int query_block = order / {pairs}, head = order % {plan.heads}, "
+            f"batch = order % {pairs} / {plan.heads};"]
+  if not plan.causal: return ["  int query_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;"]
+  return [*([] if plan.persistent else
+            [f"  int order = blockIdx.x + {plan.query_blocks} * (blockIdx.y + {plan.heads} * blockIdx.z);"]),
+          f"  int query_block = {plan.query_blocks - 1} - order / {pairs};",
+          f"  int head = order % {plan.heads}, batch = order % {pairs} / {plan.heads};"]
 
 
 def _consumer_loop_lines(plan: AttentionPlan) -> list[str]:
   """The consumer warpgroups' loop over the tiles a producer warpgroup copies (attention_wgmma.producer_lines)."""
   if plan.overlap:
-    return attention_wgmma.consumer_overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
-                                                          _rescale_lines(plan))
+    return attention_wgmma.overlapped_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan, deferred=True),
+                                                 _rescale_lines(plan))
   return attention_wgmma.consumer_loop_lines(plan, _mask_lines(plan), _softmax_lines(plan))
 
 

@@ -55,6 +55,11 @@ WGMMA_DTYPES = ("float16", "bfloat16")
 # ping-pong), the one-warpgroup rule 0.333, PyTorch 0.259; 3 stages without overlap 0.348, two consumers 0.367+,
 # 2 stages with overlap (no prefetch left) 0.46-0.72, exp_poly slower (results/sweep_attention_producer_h200_s16.txt)
 PRODUCER_CONSUMERS, PRODUCER_STAGES, PRODUCER_OVERLAP, PRODUCER_LEAST_WAVES = 3, 4, True, 4
+# the producer kernel's consumers stage Q in shared memory (own_q_lines), which frees Q's registers: 192 x 128 fits
+# 160 without spills where Q in registers left 112 keys. H200 bf16 causal B=4 H=12 D=64 T=4096, one call
+# (results/ck_s17/attnfwd5_1.txt, _2.txt): 0.262 and 0.259 ms against 0.266 and 0.266 for 192 x 112, PyTorch
+# 0.262 and 0.257
+PRODUCER_Q_SHARED = True
 # the fewest key tiles a CTA streams on average, in rings of PRODUCER_STAGES, for the producer kernel: its ring fills
 # and drains once a CTA. H200 bf16 causal D=64 B=16 T=1024 (GPT-2's shape, ~5 tiles of 112 keys a causal CTA: about
 # one ring): 0.140 ms against the one-warpgroup rule's 0.113 (results/final_s16/producer_t1024.txt); T=4096 (~19):
@@ -63,8 +68,10 @@ PRODUCER_LEAST_RINGS = 2
 # registers a producer thread keeps when the consumers take their share (its cp.async loop fits 32), and the fewest
 # it may be left with (setmaxnreg's least is 24)
 PRODUCER_KEEPS, LEAST_PRODUCER_REGISTERS = 32, 24
-# the fewest keys a tile of the rule's producer kernel (fewer: more rescales and waits than the shared tiles save)
-PRODUCER_LEAST_KEYS = 64
+# the fewest keys a tile of the rule's producer kernel (fewer: more rescales and waits than the shared tiles save;
+# 96-128 measured on the H200, 192 x 64 over 2 stages 0.72 ms at T=4096, results/ck_s16/attnfwd4_1.txt). D = 128
+# (80 keys at 160 registers with Q in shared memory) keeps the one-warpgroup rule
+PRODUCER_LEAST_KEYS = 96
 
 
 def wgmma_refusal(dtype: str, head_dim: int, vector_copies: bool) -> str | None:
@@ -99,13 +106,15 @@ def producer_plan(plan: AttentionPlan, multiprocessors: int, multiprocessor_regi
   """The rule's producer kernel for a wgmma plan (ATTENTION_PRODUCER=1): PRODUCER_CONSUMERS consumer warpgroups over
   a ring of PRODUCER_STAGES, overlapped and ping-pong (PRODUCER_OVERLAP), one CTA a multiprocessor, the consumers at
   their setmaxnreg share (consumer_register_share), keys a tile the most (a multiple of 16 from 128 to
-  PRODUCER_LEAST_KEYS) whose fragments and WGMMA_OVERHEAD_REGISTERS fit that share (D = 64, 3 consumers at 160: 112;
-  ptxas fits them without spills) and whose stages fit `shared_limit`; None where none fits (D = 128 with 3
-  consumers), where the grid is under PRODUCER_LEAST_WAVES CTAs a multiprocessor (a CTA of 2-3 warpgroups needs
-  more of them to even out the causal tails than the 1-warpgroup ones), or where a CTA streams fewer than
-  PRODUCER_LEAST_RINGS rings of key tiles on average (mean_key_tiles: the ring's fill and drain are not paid back)."""
+  PRODUCER_LEAST_KEYS) whose fragments and WGMMA_OVERHEAD_REGISTERS fit that share (D = 64, 3 consumers at 160 with
+  Q in shared memory, PRODUCER_Q_SHARED: 128; ptxas fits them without spills) and whose stages fit `shared_limit`;
+  None where none fits, where the grid is under PRODUCER_LEAST_WAVES CTAs a multiprocessor (a CTA of 2-3
+  warpgroups needs more of them to even out the causal tails than the 1-warpgroup ones), or where a CTA streams
+  fewer than PRODUCER_LEAST_RINGS rings of key tiles on average (mean_key_tiles: the ring's fill and drain are not
+  paid back)."""
   consumers = replace(plan, block_m=PRODUCER_CONSUMERS * WARPGROUP_ROWS, stages=PRODUCER_STAGES, min_ctas=1,
-                      producer=True, overlap=PRODUCER_OVERLAP, pingpong=PRODUCER_OVERLAP and PRODUCER_CONSUMERS > 1)
+                      producer=True, overlap=PRODUCER_OVERLAP, pingpong=PRODUCER_OVERLAP and PRODUCER_CONSUMERS > 1,
+                      q_shared=PRODUCER_Q_SHARED and plan.q.vector_aligned(PIECE_BYTES // plan.itemsize))
   if consumers.query_blocks * plan.heads * plan.batch < PRODUCER_LEAST_WAVES * multiprocessors: return None
   share = consumer_register_share(consumers, multiprocessor_registers)
   for block_n in range(128, PRODUCER_LEAST_KEYS - 1, -16):
@@ -295,6 +304,27 @@ def copy_q_lines(plan: AttentionPlan) -> list[str]:
           "  }"]
 
 
+def own_q_lines(plan: AttentionPlan) -> list[str]:
+  """q_shared with a producer: each consumer warpgroup stages its own 64 query rows of the Q tile (copy_q_lines'
+  layout) by cp.async, waits for them, fences the async proxy and meets its own 128 threads (named barrier
+  OWN_Q_BARRIER + warpgroup): no warpgroup reads another's rows, so none waits for the others or the producer."""
+  pieces = plan.head_dim // 8
+  target = staged_offset(plan.block_m, CExpr("row"), CExpr("column"))
+  return [f"  const unsigned q_tile = shared_base + {plan.stages * stage_bytes(plan)};",
+          f"  for (int piece = threadIdx.x % {WARPGROUP_THREADS}; piece < {WARPGROUP_ROWS * pieces}; "
+          f"piece += {WARPGROUP_THREADS}) {{",
+          f"    int row = threadIdx.x / {WARPGROUP_THREADS} * {WARPGROUP_ROWS} + piece / {pieces}, "
+          f"column = (piece % {pieces}) * 8;",
+          f"    bool inside = block_first_row + row < {plan.length};",
+          "    long long clamped = inside ? block_first_row + row : 0;",
+          f"    stage16(q_tile + {target}, q_base + clamped * {plan.q.strides[2]} + column, inside);",
+          "  }",
+          "  copy_commit();",
+          "  copy_wait_all();",
+          "  async_proxy_fence();",
+          f"  named_sync({OWN_Q_BARRIER} + threadIdx.x / {WARPGROUP_THREADS}, {WARPGROUP_THREADS});"]
+
+
 def copy_tile_lines(plan: AttentionPlan, thread: str = "threadIdx.x", threads: int = 0,
                     landing: str = "    copy_commit();") -> list[str]:
   """`copy_tile(tile, stage)`: the key and value rows of one tile into the stage's swizzled K and V tiles by 16-byte
@@ -317,6 +347,14 @@ def copy_tile_lines(plan: AttentionPlan, thread: str = "threadIdx.x", threads: i
           "  };"]
 
 
+def shifted_descriptor(address: str, offset, lbo: int, sbo: int) -> str:
+  """The descriptor of the operand `offset` bytes after shared address `address`: `address`'s own descriptor plus
+  offset / 16 (its start field counts 16 bytes; an operand inside shared memory never carries out of it). The unrolled
+  wgmmas of one tile then share one descriptor and add constants, where each built its own (about three uniform
+  instructions a wgmma, ~30 a tile of the forward)."""
+  return f"(wgmma_descriptor({address}, {lbo}, {sbo}) + (unsigned long long)(({offset}) >> 4))"
+
+
 def _scores_issue_lines(plan: AttentionPlan) -> list[str]:
   """S = Q K^T of the warpgroup's 64 rows and the tile's keys issued (scores[0][n][i] is accumulator element 4 n + i):
   the fence that orders the registers' earlier writes before the wgmmas, one wgmma per 16 of D (the first one not
@@ -325,13 +363,14 @@ def _scores_issue_lines(plan: AttentionPlan) -> list[str]:
   lbo, sbo = key_strides()
   start = key_slice_start(plan.block_n, CExpr("j"))
   # q_shared: this warpgroup's 64 rows of the Q tile, slice j as K's
-  queries = (f"wgmma_descriptor(q_tile + (threadIdx.x / 128) * {WARPGROUP_ROWS * ROW_BYTES} + "
-             f"{key_slice_start(plan.block_m, CExpr('j'))}, {lbo}, {sbo})" if plan.q_shared else "q_fragments[0][j]")
+  queries = (shifted_descriptor(f"q_tile + (threadIdx.x / 128) * {WARPGROUP_ROWS * ROW_BYTES}",
+                                key_slice_start(plan.block_m, CExpr('j')), lbo, sbo)
+             if plan.q_shared else "q_fragments[0][j]")
   return [f"    float scores[1][{n_tiles}][4];",
           "    wgmma_fence();",
           "#pragma unroll",
           f"    for (int j = 0; j < {plan.head_dim // 16}; j++)",
-          f"      wgmma_scores(&scores[0][0][0], {queries}, wgmma_descriptor(k_stage + {start}, {lbo}, {sbo}), j > 0);",
+          f"      wgmma_scores(&scores[0][0][0], {queries}, {shifted_descriptor('k_stage', start, lbo, sbo)}, j > 0);",
           "    wgmma_commit();"]
 
 
@@ -361,7 +400,7 @@ def _values_issue_lines(plan: AttentionPlan, values: str, indent: str = "    ") 
   start = value_slice_start(CExpr("kk"))
   return ["#pragma unroll",
           f"{indent}for (int kk = 0; kk < {plan.block_n // 16}; kk++)",
-          f"{indent}  wgmma_values(&outputs[0][0][0], p[kk], wgmma_descriptor({values} + {start}, {lbo}, {sbo}), 1);",
+          f"{indent}  wgmma_values(&outputs[0][0][0], p[kk], {shifted_descriptor(values, start, lbo, sbo)}, 1);",
           f"{indent}wgmma_commit();"]
 
 
@@ -374,47 +413,6 @@ def weighted_sum_lines(plan: AttentionPlan) -> list[str]:
   """O += P V of the tile, waited for."""
   return [*_pack_lines(plan, declare=True), "    wgmma_fence();", *_values_issue_lines(plan, "v_stage"),
           "    wgmma_wait_all();"]
-
-
-def overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str], rescale: list[str]) -> list[str]:
-  """The loop over key tiles with the previous tile's P V in flight while this tile's S is masked and softmaxed
-  (FlashAttention-3's pipelining inside a warpgroup), from copy_tile(0, 0) on:
-
-      for tile t: wait for t's copies; fence.proxy.async; BARRIER; copy t + 1 into stage (t + 1) % stages
-                  issue S_t = Q K_t^T; issue O += P_{t-1} V_{t-1} (t > 0); wait for S_t (groups finish in order)
-                  mask and softmax S_t (the factor of O kept); wait for P V; O *= factor; pack P_t
-      issue and wait O += P_last V_last
-
-  Stage (t + 1) % stages was last read by P_{t-2} V_{t-2} (stages >= 3), waited for in iteration t - 1, which every
-  thread has finished once past iteration t's barrier."""
-  stages, stage = plan.stages, stage_bytes(plan)
-  return [
-    f"  unsigned p[{plan.block_n // 16}][4];",
-    "  float row_rescale[1][2];",
-    "  for (int tile = 0; tile < tiles; tile++) {",
-    "    copy_wait_all();",
-    "    async_proxy_fence();",
-    "    __syncthreads();",
-    f"    if (tile + 1 < tiles) copy_tile(tile + 1, (tile + 1) % {stages});",
-    f"    unsigned k_stage = shared_base + (tile % {stages}) * {stage};",
-    f"    unsigned previous_values = shared_base + ((tile + {stages - 1}) % {stages}) * {stage} + {tile_bytes(plan)};",
-    *_scores_issue_lines(plan),
-    "    if (tile > 0) {",
-    *_values_issue_lines(plan, "previous_values", "      "),
-    "      wgmma_wait_one();",
-    "    } else {",
-    "      wgmma_wait_all();",
-    "    }",
-    *mask,
-    *softmax,
-    "    wgmma_wait_all();",
-    *rescale,
-    *_pack_lines(plan, declare=False),
-    "  }",
-    f"  unsigned last_values = shared_base + ((tiles - 1) % {stages}) * {stage} + {tile_bytes(plan)};",
-    "  wgmma_fence();",
-    *_values_issue_lines(plan, "last_values", "  "),
-    "  wgmma_wait_all();"]
 
 
 # ---------------------------------------------------------------- the producer warpgroup (plan.producer)
@@ -433,8 +431,8 @@ def producer_lines(plan: AttentionPlan) -> list[str]:
           *("  " + line for line in copy_tile_lines(plan, f"(threadIdx.x - {consumers})", WARPGROUP_THREADS,
                                                     "    copies_arrive(full + 8 * stage);")),
           "    for (int tile = 0; tile < tiles; tile++) {",
-          f"      int stage = tile % {stages};",
-          f"      if (tile >= {stages}) barrier_wait(empty + 8 * stage, (tile / {stages} - 1) & 1);",
+          f"      int count = {ring_count(plan)}, stage = count % {stages};",
+          f"      if (count >= {stages}) barrier_wait(empty + 8 * stage, (count / {stages} - 1) & 1);",
           "      copy_tile(tile, stage);",
           "    }",
           "    copy_commit();",
@@ -444,10 +442,56 @@ def producer_lines(plan: AttentionPlan) -> list[str]:
           "  consumer_registers();"]
 
 
+def ring_count(plan: AttentionPlan, tile: str = "tile") -> str:
+  """Which use of the ring key tile `tile` of this CTA is (its stage: count % stages, its phase: count / stages): the
+  tile itself, or a persistent CTA's running count over its items (`used`: the tiles of the items before)."""
+  return f"(used + {tile})" if plan.persistent else tile
+
+
+def persistent_lines(plan: AttentionPlan, item: list[str], consumer: list[str]) -> list[str]:
+  """plan.persistent: the ring's mbarriers set up, then the producer and the consumers each walk the CTA's items
+  (query blocks of one head) in the same order (`_rounds`), the producer copying each item's key tiles into the ring
+  as producer_lines does and the consumers running `consumer` (Q, the loop, the store) per item, both counting the
+  ring's uses across items (`used`). The producer copies the next item's first tiles while the consumers finish and
+  store this one: a CTA's start and end overlap its neighbours' work (FlashAttention-3's persistent kernel).
+  `item`: the lines that name the item's block, head and bases from `order` and its `tiles`."""
+  consumers = plan.consumer_threads
+  def rounds(body: list[str]) -> list[str]:
+    return ["  int used = 0;", *_rounds(plan), *("  " + line for line in item), *("  " + line for line in body),
+            "    used += tiles;", "  }"]
+  return [*ring_barrier_lines(barrier_offset(plan), plan.stages, consumers),
+          f"  if (threadIdx.x >= {consumers}) {{",
+          "    producer_registers();",
+          *("  " + line for line in rounds([
+            *copy_tile_lines(plan, f"(threadIdx.x - {consumers})", WARPGROUP_THREADS,
+                             "    copies_arrive(full + 8 * stage);"),
+            "  for (int tile = 0; tile < tiles; tile++) {",
+            f"    int count = used + tile, stage = count % {plan.stages};",
+            f"    if (count >= {plan.stages}) barrier_wait(empty + 8 * stage, (count / {plan.stages} - 1) & 1);",
+            "    copy_tile(tile, stage);",
+            "  }"])),
+          "    copy_commit();",
+          "    copy_wait_all();",
+          "    return;",
+          "  }",
+          "  consumer_registers();",
+          *rounds(consumer)]
+
+
+def _rounds(plan: AttentionPlan) -> list[str]:
+  """The loop over a persistent CTA's items: round r of the grid's CTAs takes the next gridDim.x items of the order
+  (the longest first, _block_index_lines), CTA c the c-th of an even round and the c-th from the end of an odd one
+  (a snake: the CTA that took a round's longest takes the next round's shortest, which evens out their sums)."""
+  return ["  for (int round = 0;; round++) {",
+          "    int order = round * gridDim.x + (round & 1 ? gridDim.x - 1 - blockIdx.x : blockIdx.x);",
+          f"    if (order >= {plan.items}) break;"]
+
+
 def _await_tile_lines(plan: AttentionPlan) -> list[str]:
   """A consumer waiting for tile `tile` in its stage (`full`, phase tile / stages), then fencing the async proxy:
   the copies landed through the generic one, the tensor cores read through the async one."""
-  return [f"    barrier_wait(full + 8 * (tile % {plan.stages}), (tile / {plan.stages}) & 1);",
+  count = ring_count(plan)
+  return [f"    barrier_wait(full + 8 * ({count} % {plan.stages}), ({count} / {plan.stages}) & 1);",
           "    async_proxy_fence();"]
 
 
@@ -458,19 +502,19 @@ def consumer_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str]
   stage = stage_bytes(plan)
   return ["  for (int tile = 0; tile < tiles; tile++) {",
           *_await_tile_lines(plan),
-          f"    unsigned k_stage = shared_base + (tile % {plan.stages}) * {stage}, v_stage = k_stage + "
+          f"    unsigned k_stage = shared_base + ({ring_count(plan)} % {plan.stages}) * {stage}, v_stage = k_stage + "
           f"{tile_bytes(plan)};",
           *scores_lines(plan), *mask, *softmax, *weighted_sum_lines(plan),
-          f"    barrier_arrive(empty + 8 * (tile % {plan.stages}));",
+          f"    barrier_arrive(empty + 8 * ({ring_count(plan)} % {plan.stages}));",
           "  }"]
 
 
 # the named barrier of consumer warpgroup w's turn on the tensor cores (plan.pingpong) is PINGPONG_BARRIER + w (0 is
-# __syncthreads)
-PINGPONG_BARRIER = 1
+# __syncthreads), and OWN_Q_BARRIER + w its meeting once its Q rows are staged (own_q_lines; 16 barriers in all)
+PINGPONG_BARRIER, OWN_Q_BARRIER = 1, 8
 
 
-def _turn_lines(plan: AttentionPlan) -> tuple[list[str], list[str], list[str]]:
+def _turn_lines(plan: AttentionPlan) -> tuple[list[str], list[str], list[str], list[str]]:
   """plan.pingpong: (before the loop, before a tile's wgmmas are issued, after) of the consumer warpgroups' turns:
   warpgroup w issues once warpgroup w - 1 has issued its own (named barrier PINGPONG_BARRIER + w: its 128 threads
   wait, w - 1's arrive), so one's softmax runs while the next one's products do (FlashAttention-3's ping-pong). The
@@ -486,22 +530,37 @@ def _turn_lines(plan: AttentionPlan) -> tuple[list[str], list[str], list[str]]:
           [f"  if (warpgroup == 0) named_sync({PINGPONG_BARRIER}, {pair});"])
 
 
-def consumer_overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str],
-                                   rescale: list[str]) -> list[str]:
-  """overlapped_loop_lines for the consumers of plan.producer: the tile's stage awaited on its `full` barrier instead
-  of the CTA's barrier, and the previous tile's stage released (`empty`) once its P V is done (two stages suffice:
-  a consumer holds tile t - 1's values while it waits for tile t); with pingpong the warpgroups take turns issuing
-  (_turn_lines)."""
+def overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax: list[str], rescale: list[str]) -> list[str]:
+  """The loop over key tiles with the previous tile's P V in flight while this tile's S is masked and softmaxed
+  (FlashAttention-3's pipelining inside a warpgroup), from its first tile's copies on:
+
+      for tile t: await t's stage (_overlap_await_lines)
+                  [pingpong: wait for this warpgroup's turn]
+                  issue S_t = Q K_t^T; issue O += P_{t-1} V_{t-1} (t > 0); [pingpong: hand the turn on]
+                  wait for S_t (groups finish in order); mask and softmax S_t (the factor of O kept)
+                  wait for P V; [producer: release t - 1's stage]; O *= factor; pack P_t
+      issue and wait O += P_last V_last
+
+  Without a producer every thread copies and the CTA's barrier orders a stage's reuse: stage (t + 1) % stages was
+  last read by P_{t-2} V_{t-2} (stages >= 3), waited for in iteration t - 1, which every thread has finished once
+  past iteration t's barrier. With plan.producer the tile's stage is awaited on its `full` barrier and the previous
+  tile's released (`empty`) once its P V is done (two stages suffice: a consumer holds tile t - 1's values while it
+  waits for tile t); with pingpong the warpgroups take turns issuing (_turn_lines)."""
   stages, stage = plan.stages, stage_bytes(plan)
   opening, turn, turn_over, closing = _turn_lines(plan)
+  count, last = ring_count(plan), ring_count(plan, "(tiles - 1)")
+  release = [f"    if (tile > 0) barrier_arrive(empty + 8 * (({count} + {stages - 1}) % {stages}));"] * plan.producer
+  # (a persistent CTA's next item reuses the ring: its last tile's stage is released too)
+  release_last = [f"  barrier_arrive(empty + 8 * ({last} % {stages}));"] * plan.persistent
   return [
     f"  unsigned p[{plan.block_n // 16}][4];",
     "  float row_rescale[1][2];",
     *opening,
     "  for (int tile = 0; tile < tiles; tile++) {",
-    *_await_tile_lines(plan),
-    f"    unsigned k_stage = shared_base + (tile % {stages}) * {stage};",
-    f"    unsigned previous_values = shared_base + ((tile + {stages - 1}) % {stages}) * {stage} + {tile_bytes(plan)};",
+    *_overlap_await_lines(plan),
+    f"    unsigned k_stage = shared_base + ({count} % {stages}) * {stage};",
+    f"    unsigned previous_values = shared_base + (({count} + {stages - 1}) % {stages}) * {stage} + "
+    f"{tile_bytes(plan)};",
     *turn,
     *_scores_issue_lines(plan),
     "    if (tile > 0) {",
@@ -515,12 +574,23 @@ def consumer_overlapped_loop_lines(plan: AttentionPlan, mask: list[str], softmax
     *mask,
     *softmax,
     "    wgmma_wait_all();",
-    f"    if (tile > 0) barrier_arrive(empty + 8 * ((tile + {stages - 1}) % {stages}));",
+    *release,
     *rescale,
     *_pack_lines(plan, declare=False),
     "  }",
-    f"  unsigned last_values = shared_base + ((tiles - 1) % {stages}) * {stage} + {tile_bytes(plan)};",
+      f"  unsigned last_values = shared_base + ({last} % {stages}) * {stage} + {tile_bytes(plan)};",
     "  wgmma_fence();",
     *_values_issue_lines(plan, "last_values", "  "),
     "  wgmma_wait_all();",
+    *release_last,
     *closing]
+
+
+def _overlap_await_lines(plan: AttentionPlan) -> list[str]:
+  """overlapped_loop_lines' wait for tile `tile`: a producer's `full` barrier (_await_tile_lines), or this thread's
+  copies, the async proxy's fence and the CTA's barrier, then the next tile's copies issued."""
+  if plan.producer: return _await_tile_lines(plan)
+  return ["    copy_wait_all();",
+          "    async_proxy_fence();",
+          "    __syncthreads();",
+          f"    if (tile + 1 < tiles) copy_tile(tile + 1, (tile + 1) % {plan.stages});"]

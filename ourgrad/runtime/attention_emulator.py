@@ -3,8 +3,9 @@
 It reads q, k and v from their buffers through the plan's offsets and strides (a wrong stride reads wrong elements
 here as on the GPU) and follows the kernel's arithmetic tile by tile: operands rounded as the tensor cores take them
 (float32 to TF32 as cvt.rna does; float16/bfloat16 as they are), S = Q K^T in float32, scaled by scale * log2(e),
-the masks, the running max and sum per row with exp2, P rounded to the operand type, O += P V, then O / sum and the
-logsumexp, stored in the kernel's layout. Every query row goes through every key tile: a causal tile the kernel skips
+the masks, the running max and sum per row with exp2 (the reference max moved as the kernel's warps vote,
+rescale_slack), P rounded to the operand type, O += P V, then O / sum and the logsumexp, stored in the kernel's
+layout. Every query row goes through every key tile: a causal tile the kernel skips
 is all masked for the rows it would serve, which leaves max, sum and O as they were (rescale 1, P 0), so the results
 are the kernel's. Summation order inside one mma may differ from the hardware's in the last bits.
 """
@@ -67,7 +68,7 @@ def emulate_attention(plan: AttentionPlan, out: np.ndarray, q_buffer: np.ndarray
     masked = keys >= plan.source
     if plan.causal: masked = masked | (keys > rows)
     scores = np.where(masked, np.float32(-np.inf), scores)
-    new_max = np.maximum(row_max, scores.max(axis=-1))
+    new_max = _moved_max(plan, row_max, scores.max(axis=-1))
     reference = np.where(new_max == -np.inf, np.float32(0), new_max)
     rescale = np.exp2(row_max - reference)
     weights = np.exp2(scores - reference[..., None])
@@ -81,6 +82,19 @@ def emulate_attention(plan: AttentionPlan, out: np.ndarray, q_buffer: np.ndarray
   else: out.view(np.uint16)[:plan.o_elements] = float32_to_bfloat16_bits(result)
   lse = (row_max + np.log2(row_sum)) * np.float32(0.6931471805599453)
   out.view(np.float32)[plan.lse_offset:plan.lse_offset + lse.size] = lse.astype(np.float32).reshape(-1)
+
+
+def _moved_max(plan: AttentionPlan, row_max: np.ndarray, tile_max: np.ndarray) -> np.ndarray:
+  """The rows' reference max after a tile: the running max, or with plan.rescale_slack (the kernel's lazy softmax)
+  the running max only in the warps (plan.warp_rows rows each) where some row's tile max passes its reference by more
+  than the slack, the old reference elsewhere."""
+  moved = np.maximum(row_max, tile_max)
+  if not plan.rescale_slack: return moved
+  passes = tile_max > row_max + np.float32(plan.rescale_slack)
+  rows = passes.shape[-1]
+  padded = np.concatenate([passes, np.zeros((*passes.shape[:-1], -rows % plan.warp_rows), dtype=bool)], axis=-1)
+  votes = padded.reshape(*passes.shape[:-1], -1, plan.warp_rows).any(axis=-1)
+  return np.where(np.repeat(votes, plan.warp_rows, axis=-1)[..., :rows], moved, row_max)
 
 
 # ---------------------------------------------------------------- the PYTHON device's attention program
