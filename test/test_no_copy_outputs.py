@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ourgrad import Tensor, TinyJit
+from ourgrad import Device, Tensor, TinyJit
 from ourgrad.dtype import dtypes
 from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import create_schedule
@@ -241,7 +241,13 @@ def test_round_trip_of_a_stored_tensor_has_no_cast_in_its_kernel():
   y = x.cast(dtypes.float32).cast(dtypes.float16)
   assert y.lazydata.base is not x.lazydata.base
   assert _realized_cast_ops([y.lazydata]) == []
-  np.testing.assert_array_equal(y.numpy().view(np.uint16), bits)
+  got = y.numpy().view(np.uint16)
+  # a NaN stays a NaN; its payload is kept on the CPUs, while a GPU holds 16-bit floats in float32 registers and its
+  # conversion back writes the canonical NaN (0x7FFF on CUDA, as PyTorch's x.float().half() there)
+  nan = np.isnan(bits.view(np.float16))
+  assert np.isnan(got.view(np.float16)[nan]).all()
+  np.testing.assert_array_equal(got[~nan], bits[~nan])
+  if Device.DEFAULT in ("CLANG", "LLVM"): np.testing.assert_array_equal(got, bits)
 
 
 def test_round_trip_of_a_stored_tensor_keeps_its_value_over_a_write():
