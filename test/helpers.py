@@ -272,3 +272,12 @@ def helper_test_op(shapes_or_values: Sequence[Any], torch_fn: Callable[..., Any]
     assert ours.grad is not None, f"input {number}: torch has a gradient, ourgrad none"
     assert_same(ours.grad, theirs.grad, grad_atol, grad_rtol, f"gradient of input {number}")
   return ourgrad_outputs, torch_outputs
+
+
+def host_has_avx512() -> bool:
+  """Whether this machine's CPU runs AVX-512 (x86 Linux: its /proc/cpuinfo flags). Expectations fitted on AVX-512
+  machines (a heuristic's choice at that SIMD width, a target this CPU must run) are guarded by it."""
+  try:
+    with open("/proc/cpuinfo") as cpuinfo: return " avx512f" in cpuinfo.read()
+  except OSError:
+    return False

@@ -17,6 +17,7 @@ import pytest
 
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.runtime import toolchain_check
+from helpers import host_has_avx512
 
 try:
   from ourgrad.runtime import ops_clang
@@ -48,6 +49,9 @@ def _compiler(monkeypatch, march: str):
 @needs_x86_cc
 def test_clang_march_picks_the_target_width_and_cache_key(monkeypatch, fresh_cache):
   widths = {"x86-64-v2": 16, "x86-64-v3": 32, "x86-64-v4": 64}
+  # a compiler's known-answer self-test runs its target's code: AVX-512 (v4) only where this CPU runs it (on an AVX2
+  # machine it dies of SIGILL: a target the CPU cannot run is not yet a clear error, found in session 17)
+  if not host_has_avx512(): del widths["x86-64-v4"]
   keys = set()
   for march, width in widths.items():
     compiler = _compiler(monkeypatch, march)
@@ -210,7 +214,8 @@ needs_x86_llvm = pytest.mark.skipif(ops_llvm is None or not X86, reason="needs l
 @needs_x86_llvm
 def test_llvm_cpu_picks_the_target_and_its_width(monkeypatch, fresh_cache):
   keys = set()
-  for cpu, width in (("x86-64-v2", 16), ("x86-64-v3", 32), ("x86-64-v4", 64)):
+  targets = [("x86-64-v2", 16), ("x86-64-v3", 32)] + ([("x86-64-v4", 64)] if host_has_avx512() else [])  # as CLANG's
+  for cpu, width in targets:
     monkeypatch.setenv("LLVM_CPU", cpu)
     compiler = ops_llvm.LLVMCompiler()
     assert compiler.vector_bytes == width
@@ -218,7 +223,7 @@ def test_llvm_cpu_picks_the_target_and_its_width(monkeypatch, fresh_cache):
   monkeypatch.setenv("LLVM_CPU", "x86-64-v4")
   monkeypatch.setenv("LLVM_FEATURES", "-avx512f")
   assert ops_llvm.LLVMCompiler().vector_bytes == 32, "LLVM_FEATURES applies after the CPU's own features"
-  assert len(keys) == 3
+  assert len(keys) == len(targets)
 
 
 @needs_x86_llvm
