@@ -316,7 +316,7 @@ class Buffer:
     """The contents as they will be once the work queued so far has run, read without waiting for work queued after
     this call (a device with queued copies: CUDA): queue the next step, then read this one's result while it runs.
     Other devices read at once."""
-    values = np.empty(self.size, np.uint16 if self.dtype == dtypes.bfloat16 else self.dtype.np)
+    values = self._host_array()
     finish = None
     if self.nbytes:
       with MEMORY_LOCK: finish = Device[self.device].allocator.copyout_later(self.handle, self.nbytes)
@@ -330,9 +330,13 @@ class Buffer:
 
   def numpy(self) -> np.ndarray:
     """The contents as a new numpy array (bfloat16 comes back as its raw uint16 bits)."""
-    values = np.empty(self.size, np.uint16 if self.dtype == dtypes.bfloat16 else self.dtype.np)
+    values = self._host_array()
     self.copyout(memoryview(values).cast("B"))
     return values
+
+  def _host_array(self) -> np.ndarray:
+    """An empty host array this buffer's contents fit (bfloat16 as raw uint16 bits)."""
+    return np.empty(self.size, np.uint16 if self.dtype == dtypes.bfloat16 else self.dtype.np)
 
   def __repr__(self) -> str: return f"<Buffer {self.device} {self.size} {self.dtype}>"
 

@@ -110,8 +110,8 @@ class CUDAAllocator(LRUAllocator):
     self.device = device
     self.ring: StagingRing | None = None   # made at the first copy
     self.memory_bytes: int | None = None   # the device's, asked once (device_memory_bytes)
+    self.fences = CUDAFences(device)   # events of the staging ring's transfers and of copyout_later, reused
     self.read_slots: dict[int, list[Any]] = {}   # copyout_later's free pinned slots by size
-    self.read_events: list[Any] = []   # and its free events
 
   def _alloc(self, nbytes: int) -> Any:
     self.device.make_current()
@@ -134,7 +134,7 @@ class CUDAAllocator(LRUAllocator):
     if self.ring is None:
       self.device.make_current()
       address = int(check(driver.cuMemHostAlloc(STAGING_BYTES, 0), "cuMemHostAlloc"))
-      self.ring = StagingRing(address, STAGING_BYTES, CUDAFences(self.device))
+      self.ring = StagingRing(address, STAGING_BYTES, self.fences)
     return self.ring
 
   copyout_waits = True   # copyout queues its copy behind the stream's work and waits for it
@@ -158,16 +158,14 @@ class CUDAAllocator(LRUAllocator):
     size = max(256, 1 << (nbytes - 1).bit_length())   # slots by power-of-two size, so a few serve every read
     free = self.read_slots.setdefault(size, [])
     slot = free.pop() if free else check(driver.cuMemHostAlloc(size, 0), "cuMemHostAlloc")
-    event = self.read_events.pop() if self.read_events else check(
-      driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
     check(driver.cuMemcpyDtoHAsync(slot, src, nbytes, self.device.stream), "cuMemcpyDtoHAsync")
-    check(driver.cuEventRecord(event, self.device.stream), "cuEventRecord")
+    event = self.fences.record()
 
     def finish(dest: memoryview) -> None:
-      check(driver.cuEventSynchronize(event), "cuEventSynchronize")
+      self.fences.wait(event)
       ctypes.memmove(_host_address(dest), slot, nbytes)
       free.append(slot)
-      self.read_events.append(event)
+      self.fences.release(event)
     return finish
 
   def copyout(self, dest: memoryview, src: Any) -> None:
