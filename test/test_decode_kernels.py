@@ -386,8 +386,13 @@ def test_masked_assign_is_a_gated_store(target: str, request) -> None:
   assert not [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0] is output], "the cache is not read"
   # each store under an IF on the write mark, the new value computed inside it
   stores = [position for position, uop in enumerate(uops) if uop.op is UOps.STORE and uop.srcs[0] is output]
-  assert stores and all(uops[position - 1].op is not UOps.IF and any(uop.op is UOps.IF for uop in uops[:position])
-                        and uops[position + 1].op is UOps.ENDIF for position in stores), "stores under an IF"
+  open_ifs = [sum((uop.op is UOps.IF) - (uop.op is UOps.ENDIF) for uop in uops[:position]) for position in stores]
+  assert stores and all(uops[position - 1].op is not UOps.IF for position in stores) and all(open_ifs), \
+    "stores under an IF"
+  if target == "clang":   # loops: the IF on a row's mark opens between the row's loop and its elements' loops
+    first_if = next(position for position, uop in enumerate(uops) if uop.op is UOps.IF)
+    ranges = [position for position, uop in enumerate(uops) if uop.op is UOps.RANGE]
+    assert ranges[0] < first_if < ranges[-1], "the mark tested once a row"
   if NVRTC is not None:
     cuda = Kernel(schedule[-1].ast, CUDARenderer())
     hand_coded_optimizations(cuda)

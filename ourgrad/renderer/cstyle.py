@@ -169,6 +169,29 @@ def loop_trip_bound(loop: UOp) -> int:
   return end.arg[2] if end.op is UOps.DEFINE_VAR else 1
 
 
+def leading_global_loops(uops: list[UOp]) -> list[UOp]:
+  """The global loops that open the kernel one directly inside the other (constants between them render inline)."""
+  loops: list[UOp] = []
+  for uop in uops[next((index for index, uop in enumerate(uops) if uop.op is UOps.RANGE), len(uops)):]:
+    if uop.op is UOps.CONST: continue
+    if uop.op is not UOps.RANGE or uop.arg[1] is not AxisType.GLOBAL: break
+    loops.append(uop)
+  return loops
+
+
+def executed_uops(uops: list[UOp]) -> int:
+  """About how many UOps one run of the kernel executes: each one times the trip counts of the loops around it
+  (loop_trip_bound's), so that loops one after another add up instead of multiplying."""
+  total, trips = 0, [1]
+  for uop in uops:
+    if uop.op is UOps.ENDRANGE:
+      trips.pop()
+      continue
+    total += trips[-1]
+    if uop.op is UOps.RANGE: trips.append(trips[-1] * loop_trip_bound(uop))
+  return total
+
+
 def stored_format_locals(uops: list[UOp]) -> set[int]:
   """Ids of the local memories that hold elements as a buffer stores them (16-bit halves), not as register values:
   those COPYs fill (raw bytes from global memory) or LDMATRIX reads (raw 16-bit rows); a STORE into one converts."""
@@ -593,13 +616,14 @@ class ClangRenderer(CStyleLanguage):
   byte_dot_products = True
 
   def parallel_loop_count(self, uops: list[UOp]) -> int:
-    """The global loops come first and are perfectly nested: collapse them all into one parallel loop when the
-    kernel does enough work. Each iteration writes its own outputs, so threads never share a store."""
-    global_loops = [uop for uop in uops if uop.op is UOps.RANGE and uop.arg[1] is AxisType.GLOBAL]
-    iterations = 1
-    for uop in uops:
-      if uop.op is UOps.RANGE: iterations *= loop_trip_bound(uop)
-    if not global_loops or iterations * len(uops) < self.parallel_min_work: return 0
+    """The global loops come first: collapse the perfectly nested ones (up to the first statement between two of
+    them: a gated store's condition, Linearizer._open_kept_gate) into one parallel loop when the kernel does enough
+    work and that loop has at least two iterations to share (a one-row norm's kernel of 1x1 global loops opened a
+    parallel region for one thread: a sleeping thread's wake-up, ~20 us on a loaded 2-core VM, for a 1 us kernel).
+    Each iteration writes its own outputs, so threads never share a store."""
+    global_loops = leading_global_loops(uops)
+    shared = math.prod(loop_trip_bound(loop) for loop in global_loops)
+    if shared < 2 or executed_uops(uops) < self.parallel_min_work: return 0
     # an elementwise kernel's innermost loop stays inside each thread's iteration as its `omp simd` loop; a kernel of
     # one loop shares it: `parallel for simd`
     return len(global_loops) - 1 if self.simd_loop is not None and len(global_loops) > 1 else len(global_loops)

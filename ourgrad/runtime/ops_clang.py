@@ -26,12 +26,12 @@ from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import CC, CLANG_MARCH, COMPILE_TIMEOUT
 from ourgrad.renderer.cstyle import INDEX_MATH_ONLY, ClangRenderer
 from ourgrad.runtime import toolchain_check
+from ourgrad.runtime.openmp import configure_wait_policy
 
 # -fopenmp: large kernels run their outer loops on all cores (OMP_NUM_THREADS limits the threads)
-# Idle OpenMP threads sleep instead of spinning: on a busy machine a spinning thread steals the core that the
-# thread it waits for needs (measured: a 256K-element kernel took 25-30 ms spinning, 4.5 ms passive, under load).
-# Set before the first kernel loads the OpenMP runtime; the user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+# Idle OpenMP threads spin briefly where the machine has an idle core, else sleep (runtime/openmp.py). Set before the
+# first kernel loads the OpenMP runtime; the user's own setting wins.
+configure_wait_policy()
 # -fwrapv: signed integer overflow wraps around (two's complement), as the UOp contract and PyTorch's CPU kernels do.
 # -fno-trapping-math: no kernel reads the floating-point exception flags (clang's default too). With gcc's default a
 # select whose arm may raise one (`x != x ? x : poly(x) * 2**n`, the row kernels' exp2) is a branch, which the

@@ -24,6 +24,7 @@ from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import LLVM_CPU, LLVM_FEATURES
 from ourgrad.renderer.llvmir import LLVMRenderer
 from ourgrad.runtime import toolchain_check
+from ourgrad.runtime.openmp import configure_wait_policy
 
 llvm.initialize_native_target()
 llvm.initialize_native_asmprinter()
@@ -44,9 +45,9 @@ def load_library(name: str) -> bool:
 # the math intrinsics (llvm.exp2, llvm.sin, ...) become calls to libm's exp2f, sinf, ...: the JIT finds them here
 load_library("m")
 # large kernels run their outer loop on all cores through libgomp (GCC's OpenMP runtime, which CLANG's kernels use
-# too); without it every kernel runs on the calling thread. Idle threads sleep rather than spin, as on CLANG (the
+# too); without it every kernel runs on the calling thread. Idle threads wait as on CLANG (runtime/openmp.py: the
 # process has one libgomp, and it reads this when it loads; the user's own setting wins)
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+configure_wait_policy()
 _LIBGOMP_LOADED = load_library("gomp")
 
 # llvmlite objects are not thread-safe: one compilation at a time (BEAM may compile from several threads)
