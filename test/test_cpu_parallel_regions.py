@@ -43,6 +43,9 @@ def test_executed_uops_add_loops_one_after_another():
           UOp(UOps.ENDRANGE, None, (second,)), UOp(UOps.ENDRANGE, None, (outer,))]
   assert executed_uops(uops) == 1 + 10 * 2 + 1000 * 3
   assert leading_global_loops(uops) == [outer]
+  lane = _range(16, AxisType.UNROLL)   # a row kernel's `omp simd` lanes: one vector instruction per 8 lanes
+  assert executed_uops([outer, lane, body, UOp(UOps.ENDRANGE, None, (lane,)), UOp(UOps.ENDRANGE, None, (outer,))],
+                       lanes=8) == 1 + 10 + 10 * 2
 
 
 def test_one_row_reduce_opens_no_parallel_region():

@@ -179,16 +179,19 @@ def leading_global_loops(uops: list[UOp]) -> list[UOp]:
   return loops
 
 
-def executed_uops(uops: list[UOp]) -> int:
-  """About how many UOps one run of the kernel executes: each one times the trip counts of the loops around it
-  (loop_trip_bound's), so that loops one after another add up instead of multiplying."""
+def executed_uops(uops: list[UOp], lanes: int = 1) -> int:
+  """About how many UOps (or SIMD instructions) one run of the kernel executes: each one times the trip counts of
+  the loops around it (loop_trip_bound's), so that loops one after another add up instead of multiplying; a loop
+  the renderer vectorizes (an UPCAST or UNROLL RANGE: a CPU row kernel's `omp simd` lanes) counts once per `lanes`."""
   total, trips = 0, [1]
   for uop in uops:
     if uop.op is UOps.ENDRANGE:
       trips.pop()
       continue
     total += trips[-1]
-    if uop.op is UOps.RANGE: trips.append(trips[-1] * loop_trip_bound(uop))
+    if uop.op is UOps.RANGE:
+      trip = loop_trip_bound(uop)
+      trips.append(trips[-1] * (-(-trip // lanes) if uop.arg[1] in (AxisType.UPCAST, AxisType.UNROLL) else trip))
   return total
 
 
@@ -623,7 +626,7 @@ class ClangRenderer(CStyleLanguage):
     Each iteration writes its own outputs, so threads never share a store."""
     global_loops = leading_global_loops(uops)
     shared = math.prod(loop_trip_bound(loop) for loop in global_loops)
-    if shared < 2 or executed_uops(uops) < self.parallel_min_work: return 0
+    if shared < 2 or executed_uops(uops, max(self.vector_bytes // 4, 1)) < self.parallel_min_work: return 0
     # an elementwise kernel's innermost loop stays inside each thread's iteration as its `omp simd` loop; a kernel of
     # one loop shares it: `parallel for simd`
     return len(global_loops) - 1 if self.simd_loop is not None and len(global_loops) > 1 else len(global_loops)
