@@ -37,7 +37,10 @@ configure_wait_policy()
 # select whose arm may raise one (`x != x ? x : poly(x) * 2**n`, the row kernels' exp2) is a branch, which the
 # vectorizer cannot if-convert without AVX-512's masked instructions: softmax's exp ran scalar at -march=x86-64-v3.
 # Results do not change (no value-changing transformation such as reassociation is allowed by it).
-BASE_FLAGS = ["-shared", "-fPIC", "-O2", "-fno-math-errno", "-fno-trapping-math", "-fwrapv", "-fopenmp"]
+# -Werror=implicit-function-declaration: kernels declare the C library functions they call (cstyle.C_PREAMBLE, not
+# math.h); one missing there fails the build instead of being called through an implicit `int f()` declaration.
+BASE_FLAGS = ["-shared", "-fPIC", "-O2", "-fno-math-errno", "-fno-trapping-math", "-fwrapv", "-fopenmp",
+              "-Werror=implicit-function-declaration"]
 LINK_FLAGS = ["-lm"]   # after the source: the linker resolves libm's symbols for the objects before it
 # what the self-test falls back to when the chosen flags compute a wrong answer: no vectorizer at all (the explicit
 # GCC vectors of renderer/cvector.py and `omp simd` loops still vectorize what they name)
@@ -48,8 +51,8 @@ SAFE_FLAGS = ["-fno-tree-loop-vectorize", "-fno-tree-slp-vectorize"]
 LARGE_KERNEL_LINES = 2500
 # bumped when ClangCompiler.flags_for changes which flags a source gets (2: `omp simd` kernels, 3: `parallel for simd`,
 # 4: the FLAG_RULES table, -fno-tree-slp-vectorize for gcc 12's integer reduces, the safe flags, 5: -fno-trapping-math,
-# 6: no VNNI for gcc 12's integer reduces)
-FLAGS_FOR_VERSION = 6
+# 6: no VNNI for gcc 12's integer reduces, 7: -Werror=implicit-function-declaration)
+FLAGS_FOR_VERSION = 7
 
 
 def find_c_compiler() -> str:
