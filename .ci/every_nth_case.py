@@ -1,0 +1,30 @@
+"""A pytest plugin for CI's stages on slow devices: `-p every_nth_case --every-nth-case N` keeps, of each test
+function's parametrized cases, the first and every N-th after it (in collection order), and deselects the rest.
+
+Every test function still runs (every op, every kind of kernel the suite builds), each over a spread of its
+parameters (dtypes, axes, shapes), at about 1/N of the cases. Deterministic: pytest-xdist's workers select alike.
+Load it with `.ci` on PYTHONPATH (.ci/run does).
+"""
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+  parser.addoption("--every-nth-case", type=int, default=1, metavar="N",
+                   help="of each test function's parametrized cases, run the first and every N-th (default 1: all)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+  every = config.getoption("--every-nth-case")
+  if every <= 1: return
+  seen: dict[tuple[str, str], int] = {}   # (file, function) -> how many of its cases came before
+  kept, dropped = [], []
+  for item in items:
+    function = (item.nodeid.split("::", 1)[0], getattr(item, "originalname", item.name))
+    position = seen.get(function, 0)
+    seen[function] = position + 1
+    (kept if position % every == 0 else dropped).append(item)
+  if dropped:
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
