@@ -21,17 +21,27 @@ def _item(file: str, function: str, case: str | None):
   return SimpleNamespace(nodeid=f"{file}::{name}", name=name, originalname=function)
 
 
-def test_every_nth_case_keeps_each_functions_first_and_every_nth_case():
-  items = [_item("test/a.py", "test_one", None)] + [_item("test/a.py", "test_many", str(k)) for k in range(7)] + \
-          [_item("test/b.py", "test_many", str(k)) for k in range(2)]   # the same name in another file: its own
-  deselected = []
-  config = SimpleNamespace(getoption=lambda name: 3,
+def _select(items: list, every: int) -> tuple[list, list]:
+  deselected: list = []
+  config = SimpleNamespace(getoption=lambda name: every,
                            hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)))
   kept = list(items)
   _plugin().pytest_collection_modifyitems(config, kept)
-  assert [item.nodeid for item in kept] == ["test/a.py::test_one", "test/a.py::test_many[0]", "test/a.py::test_many[3]",
-                                            "test/a.py::test_many[6]", "test/b.py::test_many[0]"]
-  assert len(deselected) + len(kept) == len(items)
+  return kept, deselected
+
+
+def test_every_nth_case_keeps_each_functions_first_case_and_about_one_in_n():
+  grid = [_item("test/a.py", "test_cast", f"{first}-{second}") for first in range(10) for second in range(10)]
+  items = [_item("test/a.py", "test_one", None)] + grid + [_item("test/b.py", "test_cast", str(k)) for k in range(3)]
+  kept, deselected = _select(items, 10)
+  ids = [item.nodeid for item in kept]
+  assert ids[:2] == ["test/a.py::test_one", "test/a.py::test_cast[0-0]"], "each function's first case"
+  assert "test/b.py::test_cast[0]" in ids, "a function of the same name in another file is its own"
+  assert sorted(ids + [item.nodeid for item in deselected]) == sorted(item.nodeid for item in items)
+  chosen = [item.nodeid for item in kept if item in grid]
+  assert 5 <= len(chosen) <= 20, chosen
+  assert len({nodeid.split("[")[1].split("-")[1] for nodeid in chosen}) > 2, "not one column of the grid"
+  assert [item.nodeid for item in _select(items, 10)[0]] == ids, "the same selection in every process"
 
 
 def test_every_nth_case_of_one_keeps_everything():
