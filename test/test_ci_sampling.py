@@ -21,9 +21,9 @@ def _item(file: str, function: str, case: str | None):
   return SimpleNamespace(nodeid=f"{file}::{name}", name=name, originalname=function)
 
 
-def _select(items: list, every: int) -> tuple[list, list]:
+def _select(items: list, every: int, files: str = "") -> tuple[list, list]:
   deselected: list = []
-  config = SimpleNamespace(getoption=lambda name: every,
+  config = SimpleNamespace(getoption=lambda name: every if name == "--every-nth-case" else files,
                            hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)))
   kept = list(items)
   _plugin().pytest_collection_modifyitems(config, kept)
@@ -42,11 +42,13 @@ def test_every_nth_case_keeps_each_functions_first_case_and_about_one_in_n():
   assert 5 <= len(chosen) <= 20, chosen
   assert len({nodeid.split("[")[1].split("-")[1] for nodeid in chosen}) > 2, "not one column of the grid"
   assert [item.nodeid for item in _select(items, 10)[0]] == ids, "the same selection in every process"
+  kept, _ = _select(items, 10, files="test/a.py")
+  assert [item for item in kept if item.nodeid.startswith("test/b.py")] == items[-3:], "only the files named"
 
 
 def test_every_nth_case_of_one_keeps_everything():
   items = [_item("test/a.py", "test_many", str(k)) for k in range(4)]
-  config = SimpleNamespace(getoption=lambda name: 1, hook=None)
+  config = SimpleNamespace(getoption=lambda name: 1 if name == "--every-nth-case" else "", hook=None)
   kept = list(items)
   _plugin().pytest_collection_modifyitems(config, kept)
   assert kept == items
