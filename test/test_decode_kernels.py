@@ -35,8 +35,9 @@ from ourgrad.ops import Ops
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
-from extra.models.llama import Llama, LlamaConfig, cast_weights, inverse_rms_per_output, rotate_pairs, rope_inputs
-from helpers import nvrtc_compiler
+from extra.models.llama import (Llama, LlamaConfig, cast_weights, inverse_rms_per_output, packed_argmax, rotate_pairs,
+                                rope_inputs)
+from helpers import nvrtc_compiler, small_split_reduces
 from test_gguf_packed import numpy_dequantize
 from test_models import _tiny_weights, torch_llama_logits
 
@@ -396,3 +397,44 @@ def test_masked_assign_is_a_gated_store(target: str, request) -> None:
   got = cache.numpy()
   expected = np.where(write_np, new_np * 2 + 1, cache_np)
   np.testing.assert_array_equal(got, expected)
+
+
+def _argmax_rows(length: int) -> np.ndarray:
+  """Rows whose argmax needs the packed key's every part: a tie of the max (the first index wins), a row of negative
+  values only (the flipped magnitude bits), a max of +0.0 beside -0.0 and negatives."""
+  rng = np.random.default_rng(length)
+  rows = rng.standard_normal((3, length)).astype(np.float32)
+  rows[0, [length // 3, length - 5]] = rows[0].max() + 1.0
+  rows[1] = -np.abs(rows[1]) - 1.0
+  rows[1, length // 2] = -0.5
+  rows[2] = -np.abs(rows[2])
+  rows[2, [7, length - 1]] = -0.0
+  rows[2, length // 4] = 0.0
+  return rows
+
+
+@pytest.mark.parametrize("target", ["emulated_cuda", "clang"])
+def test_packed_argmax_is_one_reduce(target: str, request, monkeypatch: pytest.MonkeyPatch) -> None:
+  """The greedy step's argmax (extra/models/llama.py `packed_argmax`: one max over 64-bit (value, countdown) keys)
+  against numpy's first-index argmax: one reduce, so a long row lowered for CUDA is one split reduce (two kernels,
+  where the max and then the first index reaching it were two split reduces: four) and one kernel on a CPU. Its
+  CUDA source compiles with NVRTC where it loads (64-bit shuffles and the int64 identity)."""
+  device = "PYTHON" if target == "emulated_cuda" else "CLANG"
+  if target == "emulated_cuda":
+    request.getfixturevalue("emulated_cuda")
+    small_split_reduces(monkeypatch)
+  length = 4096
+  rows = _argmax_rows(length)
+  countdown = Tensor(np.arange(length, 0, -1, dtype=np.int32), device=device).realize()
+  ids = packed_argmax(Tensor(rows, device=device).realize(), countdown)
+  schedule = create_schedule([ids.lazydata])
+  assert len(schedule) == (2 if target == "emulated_cuda" else 1), [item.ast.op for item in schedule]
+  if NVRTC is not None and target == "emulated_cuda":
+    for item in schedule:
+      kernel = Kernel(item.ast, CUDARenderer("sm_90"))
+      hand_coded_optimizations(kernel)
+      NVRTC.compile(CUDARenderer("sm_90").render(kernel.name, linearize(kernel)))
+  run_schedule(schedule)
+  expected = rows.argmax(-1)
+  expected[2] = length // 4   # numpy's == takes -0.0 for +0.0 (its first -0.0 at 7); the key orders -0.0 below +0.0
+  np.testing.assert_array_equal(ids.numpy(), expected)
