@@ -438,3 +438,32 @@ def test_packed_argmax_is_one_reduce(target: str, request, monkeypatch: pytest.M
   expected = rows.argmax(-1)
   expected[2] = length // 4   # numpy's == takes -0.0 for +0.0 (its first -0.0 at 7); the key orders -0.0 below +0.0
   np.testing.assert_array_equal(ids.numpy(), expected)
+
+
+def test_short_reduce_loop_is_unrolled_for_cuda(emulated_cuda) -> None:
+  """A one-token Q8_0 down projection of SmolLM2's shapes (576 x 1536, SwiGLU on its loads) keeps a 3-iteration reduce
+  loop after its GROUP and UNROLL opts: rendered for CUDA it carries `#pragma unroll` (renderer/cuda.py
+  short_reduce_loops; nvcc left it rolled, its loads issued one round trip at a time), a long loop does not."""
+  from ourgrad.renderer.cuda import SHORT_LOOP_UNROLL, short_reduce_loops
+  dim, hidden = 576, 1536
+  x = Tensor.empty(1, 1, dim, device="PYTHON")
+  gate, up = Tensor.empty(1, 1, 2 * hidden, device="PYTHON").chunk(2, dim=-1)
+  blocks = Tensor(quantize_q8_0(np.ones((dim, hidden), np.float32)), device="PYTHON")
+  out = x + PackedTensor.from_blocks(GGML_Q8_0, blocks, (dim, hidden)).linear(gate.silu() * up)
+  renderer = CUDARenderer("sm_90")
+  kernel = Kernel(create_schedule([out.lazydata])[-1].ast, renderer)
+  hand_coded_optimizations(kernel)
+  uops = linearize(kernel)
+  loops = [uop for uop in uops if uop.op is UOps.RANGE]
+  assert loops and all(loop.srcs[1].arg - loop.srcs[0].arg <= SHORT_LOOP_UNROLL for loop in loops), loops
+  assert short_reduce_loops(uops) == {id(loop) for loop in loops}
+  source = renderer.render(kernel.name, uops)
+  assert source.count("#pragma unroll\n") == len(loops), source
+  if NVRTC is not None: NVRTC.compile(source)
+  # a row of 4096 summed by one thread block: its loop is long, left to the compiler
+  total = Kernel(create_schedule([Tensor.empty(4096, device="PYTHON").sum().lazydata])[-1].ast, renderer)
+  hand_coded_optimizations(total)
+  total_uops = linearize(total)
+  long_loops = [uop for uop in total_uops
+                if uop.op is UOps.RANGE and uop.srcs[1].arg - uop.srcs[0].arg > SHORT_LOOP_UNROLL]
+  assert long_loops and not short_reduce_loops(total_uops) & {id(loop) for loop in long_loops}
