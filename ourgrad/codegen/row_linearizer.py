@@ -344,6 +344,11 @@ class RowLinearizer(Linearizer):
     idxs: list[Node] = [NumNode(0)] * len(shape)
     sizes = [shape[axis] // (stack if axis == stack_axis else 1) for axis in row_dims]
     for axis, node in zip(row_dims, unflatten(row, sizes)): idxs[axis] = node
+    per_thread = math.ceil(register_units(units, width) / threads)
+    passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
+    # a persistent row's loads are issued first, before the element reduces' staging too (softmax @ V's values do not
+    # depend on the staged scores: after the staging's BARRIER they were a round trip to memory of their own)
+    if passes.persistent and stack_axis is None: self._prefetch_row(passes)
     if kernel.element_reduces:   # staged for the block's first row, which every row of the block reads
       first_row = [NumNode(0)] * len(shape)
       for axis, node in zip(row_dims, unflatten(block * per_block, sizes)): first_row[axis] = node
@@ -351,14 +356,11 @@ class RowLinearizer(Linearizer):
                                         block_threads)
     if stack_axis is not None:
       return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width, lanes)
-    per_thread = math.ceil(register_units(units, width) / threads)
-    passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     resident = getattr(kernel.renderer, "threads_per_multiprocessor", 0) // block_threads
     if not passes.persistent and resident > 1:
       # a streamed row's loads in flight come from its resident blocks: the compiler's unrolling of the loop must not
       # take the registers of one of them (GPT-2's vocabulary softmax: 24 -> 38 registers, 2 -> 1 block of 1024)
       build.add(UOps.OCCUPANCY, None, (), resident)
-    if passes.persistent: self._prefetch_row(passes)
     self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
       accumulator, _accumulate_op(reduce), thread, threads, number, lanes))
     if self._per_element():
