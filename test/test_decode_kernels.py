@@ -36,7 +36,7 @@ from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
 from extra.models.llama import (Llama, LlamaConfig, cast_weights, inverse_rms_per_output, packed_argmax, rotate_pairs,
-                                rope_inputs)
+                                rope_inputs, softmax_weighted_sum)
 from helpers import nvrtc_compiler, small_split_reduces
 from test_gguf_packed import numpy_dequantize
 from test_models import _tiny_weights, torch_llama_logits
@@ -467,3 +467,22 @@ def test_short_reduce_loop_is_unrolled_for_cuda(emulated_cuda) -> None:
   long_loops = [uop for uop in total_uops
                 if uop.op is UOps.RANGE and uop.srcs[1].arg - uop.srcs[0].arg > SHORT_LOOP_UNROLL]
   assert long_loops and not short_reduce_loops(total_uops) & {id(loop) for loop in long_loops}
+
+
+def test_softmax_weighted_sum_combines_both_sums_at_one_barrier(emulated_cuda) -> None:
+  """softmax(scores) @ V of a decode step (3 KV heads x 3 query heads, head_dim 64, V a strided view of the cache) as
+  one row kernel lowered for CUDA, against numpy: the max is combined across the block's warps first, then the sum of
+  exp and the sum of exp * v, which read only the max, together: 2 BARRIERs where a reduce each took 3."""
+  rng = np.random.default_rng(9)
+  kv_heads, group, slots, head_dim = 3, 3, 128, 64
+  scores_np = rng.standard_normal((1, kv_heads, group, slots)).astype(np.float32) * 3
+  cache_np = rng.standard_normal((1, slots, 2 * kv_heads, head_dim)).astype(np.float32)
+  scores = Tensor(scores_np, device="PYTHON")
+  values = Tensor(cache_np, device="PYTHON")[:, :, kv_heads:].permute(0, 2, 1, 3)   # (1, kv, slots, hd)
+  kernel, got = _emulated(_kernel_item(softmax_weighted_sum(scores, values)))
+  weights = np.exp(scores_np - scores_np.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  expected = np.einsum("skgn,snkd->skgd", weights.astype(np.float64), cache_np[:, :, kv_heads:].astype(np.float64))
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
+  barriers = [uop for uop in linearize(Kernel(kernel.ast, CUDARenderer("sm_90"))) if uop.op is UOps.BARRIER]
+  assert len(barriers) == 2, len(barriers)
