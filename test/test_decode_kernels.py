@@ -35,8 +35,9 @@ from ourgrad.ops import Ops
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
-from extra.models.llama import Llama, LlamaConfig, cast_weights, inverse_rms_per_output, rotate_pairs, rope_inputs
-from helpers import nvrtc_compiler
+from extra.models.llama import (Llama, LlamaConfig, cast_weights, inverse_rms_per_output, packed_argmax, rotate_pairs,
+                                rope_inputs, softmax_weighted_sum)
+from helpers import nvrtc_compiler, small_split_reduces
 from test_gguf_packed import numpy_dequantize
 from test_models import _tiny_weights, torch_llama_logits
 
@@ -401,3 +402,92 @@ def test_masked_assign_is_a_gated_store(target: str, request) -> None:
   got = cache.numpy()
   expected = np.where(write_np, new_np * 2 + 1, cache_np)
   np.testing.assert_array_equal(got, expected)
+
+
+def _argmax_rows(length: int) -> np.ndarray:
+  """Rows whose argmax needs the packed key's every part: a tie of the max (the first index wins), a row of negative
+  values only (the flipped magnitude bits), a max of +0.0 beside -0.0 and negatives."""
+  rng = np.random.default_rng(length)
+  rows = rng.standard_normal((3, length)).astype(np.float32)
+  rows[0, [length // 3, length - 5]] = rows[0].max() + 1.0
+  rows[1] = -np.abs(rows[1]) - 1.0
+  rows[1, length // 2] = -0.5
+  rows[2] = -np.abs(rows[2])
+  rows[2, [7, length - 1]] = -0.0
+  rows[2, length // 4] = 0.0
+  return rows
+
+
+@pytest.mark.parametrize("target", ["emulated_cuda", "clang"])
+def test_packed_argmax_is_one_reduce(target: str, request, monkeypatch: pytest.MonkeyPatch) -> None:
+  """The greedy step's argmax (extra/models/llama.py `packed_argmax`: one max over 64-bit (value, countdown) keys)
+  against numpy's first-index argmax: one reduce, so a long row lowered for CUDA is one split reduce (two kernels,
+  where the max and then the first index reaching it were two split reduces: four) and one kernel on a CPU. Its
+  CUDA source compiles with NVRTC where it loads (64-bit shuffles and the int64 identity)."""
+  device = "PYTHON" if target == "emulated_cuda" else "CLANG"
+  if target == "emulated_cuda":
+    request.getfixturevalue("emulated_cuda")
+    small_split_reduces(monkeypatch)
+  length = 4096
+  rows = _argmax_rows(length)
+  countdown = Tensor(np.arange(length, 0, -1, dtype=np.int32), device=device).realize()
+  ids = packed_argmax(Tensor(rows, device=device).realize(), countdown)
+  schedule = create_schedule([ids.lazydata])
+  assert len(schedule) == (2 if target == "emulated_cuda" else 1), [item.ast.op for item in schedule]
+  if NVRTC is not None and target == "emulated_cuda":
+    for item in schedule:
+      kernel = Kernel(item.ast, CUDARenderer("sm_90"))
+      hand_coded_optimizations(kernel)
+      NVRTC.compile(CUDARenderer("sm_90").render(kernel.name, linearize(kernel)))
+  run_schedule(schedule)
+  expected = rows.argmax(-1)
+  expected[2] = length // 4   # numpy's == takes -0.0 for +0.0 (its first -0.0 at 7); the key orders -0.0 below +0.0
+  np.testing.assert_array_equal(ids.numpy(), expected)
+
+
+def test_short_reduce_loop_is_unrolled_for_cuda(emulated_cuda) -> None:
+  """A one-token Q8_0 down projection of SmolLM2's shapes (576 x 1536, SwiGLU on its loads) keeps a 3-iteration reduce
+  loop after its GROUP and UNROLL opts: rendered for CUDA it carries `#pragma unroll` (renderer/cuda.py
+  short_reduce_loops; nvcc left it rolled, its loads issued one round trip at a time), a long loop does not."""
+  from ourgrad.renderer.cuda import SHORT_LOOP_UNROLL, short_reduce_loops
+  dim, hidden = 576, 1536
+  x = Tensor.empty(1, 1, dim, device="PYTHON")
+  gate, up = Tensor.empty(1, 1, 2 * hidden, device="PYTHON").chunk(2, dim=-1)
+  blocks = Tensor(quantize_q8_0(np.ones((dim, hidden), np.float32)), device="PYTHON")
+  out = x + PackedTensor.from_blocks(GGML_Q8_0, blocks, (dim, hidden)).linear(gate.silu() * up)
+  renderer = CUDARenderer("sm_90")
+  kernel = Kernel(create_schedule([out.lazydata])[-1].ast, renderer)
+  hand_coded_optimizations(kernel)
+  uops = linearize(kernel)
+  loops = [uop for uop in uops if uop.op is UOps.RANGE]
+  assert loops and all(loop.srcs[1].arg - loop.srcs[0].arg <= SHORT_LOOP_UNROLL for loop in loops), loops
+  assert short_reduce_loops(uops) == {id(loop) for loop in loops}
+  source = renderer.render(kernel.name, uops)
+  assert source.count("#pragma unroll\n") == len(loops), source
+  if NVRTC is not None: NVRTC.compile(source)
+  # a row of 4096 summed by one thread block: its loop is long, left to the compiler
+  total = Kernel(create_schedule([Tensor.empty(4096, device="PYTHON").sum().lazydata])[-1].ast, renderer)
+  hand_coded_optimizations(total)
+  total_uops = linearize(total)
+  long_loops = [uop for uop in total_uops
+                if uop.op is UOps.RANGE and uop.srcs[1].arg - uop.srcs[0].arg > SHORT_LOOP_UNROLL]
+  assert long_loops and not short_reduce_loops(total_uops) & {id(loop) for loop in long_loops}
+
+
+def test_softmax_weighted_sum_combines_both_sums_at_one_barrier(emulated_cuda) -> None:
+  """softmax(scores) @ V of a decode step (3 KV heads x 3 query heads, head_dim 64, V a strided view of the cache) as
+  one row kernel lowered for CUDA, against numpy: the max is combined across the block's warps first, then the sum of
+  exp and the sum of exp * v, which read only the max, together: 2 BARRIERs where a reduce each took 3."""
+  rng = np.random.default_rng(9)
+  kv_heads, group, slots, head_dim = 3, 3, 128, 64
+  scores_np = rng.standard_normal((1, kv_heads, group, slots)).astype(np.float32) * 3
+  cache_np = rng.standard_normal((1, slots, 2 * kv_heads, head_dim)).astype(np.float32)
+  scores = Tensor(scores_np, device="PYTHON")
+  values = Tensor(cache_np, device="PYTHON")[:, :, kv_heads:].permute(0, 2, 1, 3)   # (1, kv, slots, hd)
+  kernel, got = _emulated(_kernel_item(softmax_weighted_sum(scores, values)))
+  weights = np.exp(scores_np - scores_np.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  expected = np.einsum("skgn,snkd->skgd", weights.astype(np.float64), cache_np[:, :, kv_heads:].astype(np.float64))
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
+  barriers = [uop for uop in linearize(Kernel(kernel.ast, CUDARenderer("sm_90"))) if uop.op is UOps.BARRIER]
+  assert len(barriers) == 2, len(barriers)

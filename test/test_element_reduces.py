@@ -91,6 +91,9 @@ def test_decode_attention_is_one_kernel(sequences: int, kv_heads: int, group: in
   assert len(locals_) == 1 and locals_[0].arg[1] == staged * slots   # a block's rows share the scores
   first_barrier = next(position for position, uop in enumerate(uops) if uop.op is UOps.BARRIER)
   assert all(not (uop.op is UOps.STORE and uop.srcs[0] is locals_[0]) for uop in uops[first_barrier:])
+  if staged == 1:   # every input's loads issued before the staging's BARRIER (V's too: it does not need the scores)
+    inputs_read = {id(uop.srcs[0]) for uop in uops[:first_barrier] if uop.op is UOps.LOAD}
+    assert all(id(uop) in inputs_read for uop in uops if uop.op is UOps.DEFINE_GLOBAL and not uop.arg[1])
   if NVRTC is not None:
     cuda = Kernel(schedule[0].ast, CUDARenderer())
     hand_coded_optimizations(cuda)

@@ -178,6 +178,26 @@ def rotate_pairs(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
   return x * cos + swapped * signed_sin
 
 
+def ordered_bits(x: Tensor) -> Tensor:
+  """float32 values as int32 whose signed order is the floats' order (NaN aside): a negative float's magnitude bits
+  flipped, so that a more negative float is a smaller integer. -0.0 is -1, just below +0.0's 0."""
+  bits = x.cast(dtypes.float32).bitcast(dtypes.int32)
+  return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def packed_argmax(logits: Tensor, countdown: Tensor) -> Tensor:
+  """The first index of each row's max of `logits` (..., n), int32, as one max reduce over a 64-bit key per element:
+  the value's `ordered_bits` in the high half, `countdown` (n,) (n - index, a realized table: an arange would be a
+  kernel of its own in every step) in the low half, so the largest key is the largest value at its first index. A
+  max, then a max of the indices reaching it, were two reduces each read of the whole row (two split reduces on a GPU,
+  four kernels for a vocabulary; this is two). NaN logits are not looked for, as Tensor.argmax does."""
+  length = logits.shape[-1]
+  key = ordered_bits(logits).cast(dtypes.int64) * (1 << 32) + countdown.reshape(length).cast(dtypes.int64)
+  best = key.max(-1)
+  low = best - (best >> 32) * (1 << 32)   # the countdown: the key's low 32 bits (its high half is floor(key / 2^32))
+  return (length - low).cast(dtypes.int32)
+
+
 class LlamaBlock:
   """One decoder block: attention (with its KV cache) and a SwiGLU feed-forward, each pre-normed and residual.
 
@@ -547,12 +567,8 @@ class Llama:
     return self._argmax(self._step_graph(step, position))
 
   def _argmax(self, logits: Tensor) -> Tensor:
-    """The first index of each row's max, (S,) int32."""
-    # the first index reaching the row's max has the largest countdown (vocab - index): a realized table, where an
-    # arange would be a kernel of its own in every step (NaN logits are not looked for, as Tensor.argmax does)
-    countdown = self.countdown.reshape(1, -1)
-    best = (logits == logits.max(-1, keepdim=True)).where(countdown, 0).max(-1)
-    return (logits.shape[-1] - best).cast(dtypes.int32)
+    """The first index of each row's max, (S,) int32 (`packed_argmax`)."""
+    return packed_argmax(logits, self.countdown)
 
   def _resident_graph(self) -> Tensor:
     """One greedy step fed from and back to device buffers (`generate_greedy`): each sequence's token (S, 1) and

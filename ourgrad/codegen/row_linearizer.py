@@ -344,6 +344,11 @@ class RowLinearizer(Linearizer):
     idxs: list[Node] = [NumNode(0)] * len(shape)
     sizes = [shape[axis] // (stack if axis == stack_axis else 1) for axis in row_dims]
     for axis, node in zip(row_dims, unflatten(row, sizes)): idxs[axis] = node
+    per_thread = math.ceil(register_units(units, width) / threads)
+    passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
+    # a persistent row's loads are issued first, before the element reduces' staging too (softmax @ V's values do not
+    # depend on the staged scores: after the staging's BARRIER they were a round trip to memory of their own)
+    if passes.persistent and stack_axis is None: self._prefetch_row(passes)
     if kernel.element_reduces:   # staged for the block's first row, which every row of the block reads
       first_row = [NumNode(0)] * len(shape)
       for axis, node in zip(row_dims, unflatten(block * per_block, sizes)): first_row[axis] = node
@@ -351,16 +356,15 @@ class RowLinearizer(Linearizer):
                                         block_threads)
     if stack_axis is not None:
       return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width, lanes)
-    per_thread = math.ceil(register_units(units, width) / threads)
-    passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     resident = getattr(kernel.renderer, "threads_per_multiprocessor", 0) // block_threads
     if not passes.persistent and resident > 1:
       # a streamed row's loads in flight come from its resident blocks: the compiler's unrolling of the loop must not
       # take the registers of one of them (GPT-2's vocabulary softmax: 24 -> 38 registers, 2 -> 1 block of 1024)
       build.add(UOps.OCCUPANCY, None, (), resident)
-    if passes.persistent: self._prefetch_row(passes)
     self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
-      accumulator, _accumulate_op(reduce), thread, threads, number, lanes))
+      accumulator, _accumulate_op(reduce), thread, threads, number, lanes),
+      lambda items: self._combine_level([(accumulator, _accumulate_op(reduce), number)
+                                         for accumulator, reduce, number in items], thread, threads, lanes))
     if self._per_element():
       passes.run("sidx", None, store=True)
       return build.uops
@@ -477,15 +481,33 @@ class RowLinearizer(Linearizer):
     broadcast along it."""
     return any(node.op in (Ops.LOAD, Ops.CONST) and not _broadcast_along(node.arg.st, axis) for node in root.walk())
 
-  def _run_row_reduces(self, passes: RowPasses, combine: Callable[[UOp, LazyOp, int], UOp]) -> None:
+  def _run_row_reduces(self, passes: RowPasses, combine: Callable[[UOp, LazyOp, int], UOp],
+                       combine_level: Callable[[list[tuple[UOp, LazyOp, int]]], list[UOp]] | None = None) -> None:
     """Each row reduce of a GPU row kernel: a per-thread accumulator over a pass of the row, then the value
     `combine(accumulator, reduce, number)` gives the rest of the kernel (a later reduce may read it). A persistent row
     (in registers) takes a pass per reduce, the loads shared; a looping row groups its reduces into as few passes as
-    their dependencies allow (codegen/online_rows.py: a max and the sums of exp2 relative to it in one pass)."""
+    their dependencies allow (codegen/online_rows.py: a max and the sums of exp2 relative to it in one pass).
+    `combine_level`: a persistent row's reduces that read none of each other (softmax @ V's sum of exp and sum of
+    exp * v, both after the max) are combined together, one BARRIER for all (`_combine_level`)."""
     build = self.builder
     reduces = self._row_reduces()
     numbers = {id(reduce): number for number, reduce in enumerate(reduces)}
     reduces = [reduce for reduce in reduces if id(reduce) not in self.reduce_values]   # stacked rows: shared ones
+    if passes.persistent and combine_level is not None:
+      level: list[tuple[UOp, LazyOp, int]] = []
+      for reduce in reduces:
+        if any(node is other for _, other, _ in level for node in reduce.srcs[0].walk()):
+          self._finish_level(level, combine_level)
+          level = []
+        accumulator = build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
+
+        def accumulate_one(element_idxs: list[Node], reduce: LazyOp = reduce, accumulator: UOp = accumulator) -> None:
+          value = self.compute(reduce.srcs[0], element_idxs, None)
+          build.add(UOps.ACCUMULATE, reduce.dtype, (accumulator, value), _accumulate_op(reduce))
+        passes.run(f"ridx{numbers[id(reduce)]}", accumulate_one, reads=[reduce.srcs[0]])
+        level.append((accumulator, reduce, numbers[id(reduce)]))
+      self._finish_level(level, combine_level)
+      return
     groups = [RowPass([reduce]) for reduce in reduces] if passes.persistent else group_row_passes(reduces)
     for group in groups:
       accumulators = {id(reduce): build.add(UOps.DEFINE_ACC, reduce.dtype, (), reduce_identity(reduce.op, reduce.dtype))
@@ -512,6 +534,45 @@ class RowLinearizer(Linearizer):
                                accumulators[id(reduce)], passes.idxs)
         partial = build.alu(Ops.MUL, reduce.dtype, accumulators[id(reduce)], factor)
         self.reduce_values[id(reduce)] = combine(partial, reduce, numbers[id(reduce)])
+
+  def _finish_level(self, level: list[tuple[UOp, LazyOp, int]],
+                    combine_level: Callable[[list[tuple[UOp, LazyOp, int]]], list[UOp]]) -> None:
+    """The values of a level of independent reduces (accumulated: (accumulator, reduce, number) each), combined."""
+    for (_, reduce, _), value in zip(level, combine_level(level)): self.reduce_values[id(reduce)] = value
+
+  def _combine_level(self, items: list[tuple[UOp, Ops, int]], thread: Node, threads: int,
+                     lanes: tuple[Node, int] | None) -> list[UOp]:
+    """`_block_combine` of several partials ((partial, op, number) each) that read none of each other: each one's
+    shuffles and local-memory write first, then one BARRIER, then each one's reads, where one at a time was a
+    BARRIER each. Combines without local memory (a row inside a warp) are `_block_combine`'s."""
+    build, warp_size = self.builder, self.kernel.renderer.warp_size
+    if lanes is not None:   # interleaved rows (codegen/row_interleave.py): a row's threads `interleave` lanes apart
+      place, interleave = lanes
+      in_warp = min(threads, warp_size // interleave)
+      index, places = thread // in_warp * interleave + place, [place + warp * interleave for warp in
+                                                               range(threads // in_warp)]
+    elif warp_size >= 2 and threads % warp_size == 0:
+      in_warp, interleave = warp_size, 1
+      index, places = thread // warp_size, [NumNode(warp) for warp in range(threads // warp_size)]
+    else: in_warp, interleave, places = 0, 1, []
+    if len(items) == 1 or len(places) < 2:
+      return [self._block_combine(partial, op, thread, threads, number, lanes) for partial, op, number in items]
+    reduced = [build.add(UOps.WARP_REDUCE, partial.dtype, (partial,), (op, in_warp, interleave))
+               for partial, op, _ in items]
+    memories = [build.add(UOps.DEFINE_LOCAL, partial.dtype, (), (f"row{number}", len(places) * interleave))
+                for partial, _, number in items]
+    writer = build.add(UOps.IF, None, (self.node_to_uop(thread % in_warp < 1),))
+    for memory, value in zip(memories, reduced): build.add(UOps.STORE, None, (memory, self.node_to_uop(index), value))
+    build.end_if(writer)
+    build.add(UOps.BARRIER, None)
+    totals = []
+    for memory, (partial, op, _) in zip(memories, items):
+      total = build.add(UOps.LOAD, partial.dtype, (memory, self.node_to_uop(places[0])))
+      for slot in places[1:]:
+        other = build.add(UOps.LOAD, partial.dtype, (memory, self.node_to_uop(slot)))
+        total = build.alu(op, partial.dtype, total, other)
+      totals.append(total)
+    return totals
 
   def _lane_values(self, node: LazyOp, lanes: list[list[Node]], width: int) -> list[UOp]:
     """`node` at each element of a unit (`lanes`: each element's indices; vector loads where they apply)."""

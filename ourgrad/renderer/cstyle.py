@@ -357,6 +357,7 @@ class CStyleLanguage(Renderer):
 
 
     parallel_loops = self.parallel_loop_count(uops)
+    unrolled_loops = self.unrolled_loops(uops)
     vectors = self.vector_plan(uops)
     raw_loads = self.raw_fragment_loads(uops)
     vector_locals = {id(uop.srcs[0]) for uop in uops
@@ -380,6 +381,8 @@ class CStyleLanguage(Renderer):
           emit(self.parallel_pragma(parallel_loops))
         elif (kind in (AxisType.UPCAST, AxisType.UNROLL) or uop is self.simd_loop) and self.vector_loop_pragma:
           emit(self.loop_pragma(uop))
+        elif id(uop) in unrolled_loops:
+          emit("#pragma unroll")
         emit(f"for (int {variable} = {ref(uop.srcs[0])}; {variable} < {ref(uop.srcs[1])}; {variable}++) {{")
         depth += 1
       elif uop.op is UOps.ENDRANGE:
@@ -600,6 +603,10 @@ class CStyleLanguage(Renderer):
     return 0
 
   def parallel_pragma(self, loop_count: int) -> str: return ""
+
+  def unrolled_loops(self, uops: list[UOp]) -> set[int]:
+    """Ids of the RANGEs the compiler is told to unroll fully (`#pragma unroll`); the GPU dialect picks some."""
+    return set()
 
   def loop_pragma(self, loop: UOp) -> str:
     """The pragma put before a vectorized loop (vector_loop_pragma)."""

@@ -48,6 +48,35 @@ class GridFootprint:
     return self.blocks / (multiprocessors * max(self.resident_per_multiprocessor, 1))
 
 
+# A reduce loop of at most this many iterations over straight-line code is unrolled fully (`#pragma unroll`): its
+# iterations' loads are independent of each other, and a rolled loop issues them one round trip to memory at a time
+# (nvcc leaves some short loops rolled: a decode step's down projection, 3 iterations with SwiGLU's exp2 in them)
+SHORT_LOOP_UNROLL = 8
+# ...whose unrolled body stays at most this many UOps (a loop of tensor-core tiles or staged copies is left as it is)
+SHORT_LOOP_UOPS = 2048
+# what keeps a loop rolled: another loop inside it, a barrier, tensor-core or asynchronous-copy work
+_NOT_UNROLLED_INSIDE = (UOps.RANGE, UOps.BARRIER, UOps.WMMA, UOps.COPY)
+
+
+def short_reduce_loops(uops: list[UOp]) -> set[int]:
+  """Ids of the constant-trip REDUCE loops of at most SHORT_LOOP_UNROLL iterations whose bodies are straight-line code
+  (no loop, barrier, tensor-core or copy UOp inside) of at most SHORT_LOOP_UOPS UOps unrolled."""
+  chosen: set[int] = set()
+  open_loops: list[tuple[UOp, int, bool]] = []   # (loop, its first body index, still a candidate)
+  for index, uop in enumerate(uops):
+    if uop.op in _NOT_UNROLLED_INSIDE and open_loops:
+      open_loops = [(loop, start, False) for loop, start, _ in open_loops]
+    if uop.op is UOps.RANGE:
+      start, end = uop.srcs
+      trip = end.arg - start.arg if start.op is UOps.CONST and end.op is UOps.CONST else 0
+      open_loops.append((uop, index + 1, uop.arg[1] is AxisType.REDUCE and 2 <= trip <= SHORT_LOOP_UNROLL))
+    elif uop.op is UOps.ENDRANGE and open_loops and open_loops[-1][0] is uop.srcs[0]:
+      loop, start, candidate = open_loops.pop()
+      trip = loop.srcs[1].arg - loop.srcs[0].arg if candidate else 0
+      if candidate and trip * (index - start) <= SHORT_LOOP_UOPS: chosen.add(id(loop))
+  return chosen
+
+
 # the device function that rounds two floats to one word of two 16-bit floats (the first in the low half), per dtype
 PAIR_TO_BITS = {dtypes.float16: "floats_to_f16x2", dtypes.bfloat16: "floats_to_bf16x2"}
 
@@ -135,6 +164,8 @@ class CUDARenderer(CStyleLanguage):
       else:
         resident = share
     return early
+
+  def unrolled_loops(self, uops: list[UOp]) -> set[int]: return short_reduce_loops(uops)
 
   def _short(self, footprint: GridFootprint) -> bool:
     """Whether a launch moves and computes at most what this GPU does in one launch's time."""
