@@ -72,6 +72,10 @@ def test_backward_realizes_a_large_forward_first_with_identical_steps(monkeypatc
   building the backward graph. The same losses as steps without it, parameters to float32 rounding, and TinyJit's
   steps unchanged (it never splits its step: the same captured kernels and losses with either setting); the split
   costs at most 4 kernels a step here."""
+  from ourgrad.engine import realize
+  # (a host device runs each kernel as it is launched, where launching early gains nothing: CLANG here stands for a
+  # device that queues its kernels, CUDA's behaviour)
+  monkeypatch.setattr(realize, "queues_work", lambda device: True)
   batches = _batches(4)
   results: dict[str, tuple[list[bytes], list[bytes], list[int]]] = {}
   for setting in ("0", "1"):
@@ -104,13 +108,20 @@ def test_backward_realizes_a_large_forward_first_with_identical_steps(monkeypatc
   assert captured["0"] == captured["1"]
 
 
-def test_backward_of_a_small_graph_is_not_split(monkeypatch):
+def test_backward_is_split_only_for_a_large_graph_on_a_device_that_queues_its_kernels(monkeypatch):
+  from ourgrad.engine import realize
   monkeypatch.delenv("OVERLAP_BACKWARD", raising=False)
-  seen: list[bool] = []
-  _, step = _training(seen)
+  assert not realize.queues_work("CLANG") and not realize.queues_work("PYTHON")   # host devices: never split
   images, labels = _batches(1)[0]
-  step(Tensor(images).realize(), Tensor(labels).realize())
-  assert seen == [False]   # the default bound is above this step's forward graph
+  for queues, bound, split in ((False, "1", False), (True, None, False), (True, "1", True)):
+    monkeypatch.setattr(realize, "queues_work", lambda device, queues=queues: queues)
+    if bound is None: monkeypatch.delenv("OVERLAP_BACKWARD", raising=False)
+    else: monkeypatch.setenv("OVERLAP_BACKWARD", bound)
+    seen: list[bool] = []
+    _, step = _training(seen)
+    step(Tensor(images).realize(), Tensor(labels).realize())
+    # (the default bound, 192 bases, is above this step's forward graph)
+    assert seen == [split], (queues, bound)
 
 
 @pytest.mark.parametrize("every", [1, 2])

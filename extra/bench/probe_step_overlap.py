@@ -21,6 +21,8 @@ from bench_eager import gpt2_model_and_batch  # noqa: E402
 
 from extra.models.gpt2 import configure_optimizers  # noqa: E402
 from ourgrad import Device, Tensor, TinyJit  # noqa: E402
+from ourgrad.engine import realize as engine_realize  # noqa: E402
+from ourgrad.engine import schedule_cache  # noqa: E402
 
 
 def make_step(model: Any, optimizers: list[Any], marks: list[float] | None = None) -> Any:
@@ -81,18 +83,23 @@ def main() -> None:
   loops = [int(n) for n in args.steps.split(",")]
   splits: dict[str, list[list[float]]] = {name: [] for name in settings}
   walls: dict[tuple[str, int], list[float]] = {(name, n): [] for name in settings for n in loops}
+  realizes: dict[str, int] = {}
   for _ in range(args.rounds):
     for name, setting in settings.items():
       os.environ["OVERLAP_BACKWARD"] = setting
+      before = schedule_cache.stats.hits + schedule_cache.stats.misses
       splits[name].append(one_step_split(step, marks, inputs, targets, sync))
+      realizes[name] = schedule_cache.stats.hits + schedule_cache.stats.misses - before
       for n in loops: walls[(name, n)].append(loop_ms(step, inputs, targets, sync, n))
   jitted = TinyJit(make_step(model, optimizers))
   for _ in range(3): jitted(inputs, targets)
   jit = min(loop_ms(jitted, inputs, targets, sync, max(loops)) for _ in range(args.rounds))
-  print(f"GPT-2 step on {device}, medians of {args.rounds} rounds (ms); TinyJit {jit:.2f} ms a step")
+  print(f"GPT-2 step on {device}, medians of {args.rounds} rounds (ms); TinyJit {jit:.2f} ms a step; the device "
+        f"queues its kernels: {engine_realize.queues_work(device)}")
   for name in settings:
     parts = [statistics.median(values) for values in zip(*splits[name])]
-    print(f"  {name:8s} one step from idle: forward graph {parts[0]:.2f}, backward {parts[1]:.2f}, optimizer graph "
+    print(f"  {name:8s} ({realizes[name]} schedules a step) one step from idle: forward graph {parts[0]:.2f}, "
+          f"backward {parts[1]:.2f}, optimizer graph "
           f"{parts[2]:.2f}, last realize {parts[3]:.2f}, device wait {parts[4]:.2f}; total {sum(parts):.2f}")
     print("           loops: " + ", ".join(f"{n} steps {statistics.median(walls[(name, n)]):.2f} ms a step "
                                          f"({statistics.median(walls[(name, n)]) / jit:.2f}x TinyJit)" for n in loops))
