@@ -5,7 +5,8 @@ from scratch: SCHEDULE_CACHE=0) and of running it (lowering, memory plan, launch
 repeated realizes. The intercept of the fit is what one realize costs whatever its size; the slope, per kernel.
 
 Run: `python extra/bench/probe_realize_cost.py [--device CUDA] [--blocks 1,4,16,64] [--cold]`. On CPU devices every
-compiled kernel is replaced by a no-op while timing (bench_eager.host_kernels_disabled): host time only.
+compiled kernel is replaced by a no-op while timing (bench_eager.host_kernels_disabled), and the clock is the
+thread's CPU time: host time only.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pathlib
 import statistics
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -32,17 +34,18 @@ def build(x: Tensor, weights: list[tuple[Tensor, Tensor]]) -> Tensor:
   return x
 
 
-def phases_us(x: Tensor, weights: list[tuple[Tensor, Tensor]], calls: int) -> tuple[float, float, float]:
+def phases_us(x: Tensor, weights: list[tuple[Tensor, Tensor]], calls: int, clock: Callable[[], float]) \
+    -> tuple[float, float, float]:
   """Median host us of (graph building, scheduling, running) one realize of the chain."""
   built, scheduled, ran = [], [], []
   for _ in range(calls):
-    start = time.perf_counter()
+    start = clock()
     out = build(x, weights)
-    made = time.perf_counter()
+    made = clock()
     schedule = schedule_cache.schedule([out.lazydata])
-    done = time.perf_counter()
+    done = clock()
     engine_realize.run_schedule(schedule)
-    end = time.perf_counter()
+    end = clock()
     built.append(made - start)
     scheduled.append(done - made)
     ran.append(end - done)
@@ -63,6 +66,9 @@ def main() -> None:
   x = Tensor(rng.standard_normal(width).astype(np.float32), device=device).realize()
   sync = Device[device].synchronize
   sizes = [int(n) for n in args.blocks.split(",")]
+  # a CPU device shares its machine: the thread's CPU time, which waiting for a core does not count; a GPU's host is
+  # timed by the wall clock (a call that waits for the device counts)
+  clock = time.perf_counter if device == "CUDA" else time.thread_time
   rows = []
   for blocks in sizes:
     weights = [(Tensor(rng.standard_normal(width).astype(np.float32), device=device).realize(),
@@ -70,10 +76,10 @@ def main() -> None:
     for _ in range(4): build(x, weights).realize()   # compile, cache, capture
     sync()
     with host_kernels_disabled(device != "CUDA"):
-      rows.append((blocks, *phases_us(x, weights, args.calls)))
+      rows.append((blocks, *phases_us(x, weights, args.calls, clock)))
     sync()
   print(f"realize cost on {device} ({'cold: SCHEDULE_CACHE=0' if args.cold else 'warm: schedule-cache hits'}), "
-        f"host us, medians of {args.calls}")
+        f"host us ({'wall clock' if device == 'CUDA' else 'thread CPU time'}), medians of {args.calls}")
   print("| kernels | graph | schedule | run | realize (schedule + run) | realize per kernel |")
   print("| ------- | ----- | -------- | --- | ------------------------ | ------------------ |")
   for blocks, graph, schedule, run in rows:
