@@ -157,3 +157,15 @@ def test_llama_prefill_realized_every_few_blocks_is_identical(every):
     finally:
       llama.PREFILL_REALIZE_EVERY = before
   assert outcome[every] == outcome[0]
+
+
+def test_pending_counts_the_bases_made_since_the_last_schedule():
+  from ourgrad import lazy_trace
+  x = Tensor(np.arange(4, dtype=np.float32)).realize()
+  assert lazy_trace.pending() == 0
+  y = (x + 1) * 2
+  assert lazy_trace.pending() == 2   # (the constants are no traced bases)
+  y = y.exp2()
+  assert lazy_trace.pending() == 3
+  np.testing.assert_allclose(y.numpy(), np.exp2((np.arange(4) + 1) * 2), rtol=1e-6)
+  assert lazy_trace.pending() == 0
