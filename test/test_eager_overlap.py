@@ -120,7 +120,7 @@ def test_backward_is_split_only_for_a_large_graph_on_a_device_that_queues_its_ke
     seen: list[bool] = []
     _, step = _training(seen)
     step(Tensor(images).realize(), Tensor(labels).realize())
-    # (the default bound, 128 bases, is above this step's forward graph)
+    # (off by default: a loop of steps lost more host time than the device gained, docs/jit.md)
     assert seen == [split], (queues, bound)
 
 

@@ -34,7 +34,7 @@ from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
 
 
 NO_MEMORY_PLANNER = env_var("NO_MEMORY_PLANNER", 0, "1: every buffer of a schedule gets memory of its own")
-OVERLAP_BACKWARD = env_var("OVERLAP_BACKWARD", 128, "n > 0: an eager backward() whose pending graph holds at least n "
+OVERLAP_BACKWARD = env_var("OVERLAP_BACKWARD", 0, "n > 0: an eager backward() whose pending graph holds at least n "
                            "lazy bases, on a device that queues its kernels (CUDA, OpenCL), realizes its loss first, "
                            "so the device runs the forward while the backward's graph is built; 0: never "
                            "(docs/jit.md, overlap)")
