@@ -74,6 +74,14 @@ def invalidate() -> None:
   _trace[0] = None
 
 
+def pending() -> int:
+  """How many bases were made since the last schedule (MAX_TRACED once the trace overflowed): the size of the graph
+  that a realize now would schedule, at most."""
+  trace = _trace[0]
+  if trace is None: return 0
+  return MAX_TRACED if trace.tainted else len(trace.bases)
+
+
 def take() -> Trace | None:
   """The trace (None if tainted or empty); the next base made starts a new one."""
   trace, _trace[0] = _trace[0], None

@@ -520,6 +520,8 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
     if self._ctx is None:  # a leaf: its own gradient is the one given
       self.grad = gradient if self.grad is None else self.grad + gradient
       return self
+    # a large eager forward starts on the device now, while the backward's graph is built (OVERLAP_BACKWARD)
+    if engine_realize.realize_before_backward(self.device): self.realize()
     for leaf, leaf_grad in self._backpropagate(gradient, free_graph=True).values():
       leaf.grad = leaf_grad if leaf.grad is None else leaf.grad + leaf_grad
     return self

@@ -43,8 +43,9 @@ def _second_device() -> str:
 
 def test_randomized_changes_never_reuse_a_stale_schedule():
   """Random realizes changing one thing at a time: the input's buffer, its contents, its length, the view it is read
-  through (flipped), a constant, the dtype, the device, the expression, a 0-d scalar tensor for the constant, or
-  whether an intermediate (x + 1) is forced into memory after its readers were made; every result against numpy."""
+  through (flipped), a constant, the dtype, the device, the expression, a 0-d scalar tensor for the constant,
+  whether an intermediate (x + 1) is forced into memory after its readers were made, or whether the result is
+  realized beside outputs realized already; every result against numpy."""
   rng = np.random.default_rng(26)
   devices = [Device.DEFAULT, _second_device()]
   hits_before, traced_before = schedule_cache.stats.hits, schedule_cache.stats.traced_hits
@@ -53,7 +54,7 @@ def test_randomized_changes_never_reuse_a_stale_schedule():
   length, flipped, forced = 7, False, False
   for _ in range(160):
     change = rng.choice(["none", "buffer", "contents", "constant", "dtype", "device", "expression", "scalar", "length",
-                         "view", "force"])
+                         "view", "force", "beside"])
     if change == "constant": constant = int(rng.choice([-3, 0, 1, 2, 5]))
     elif change == "dtype": dtype = dtypes.int32 if dtype == dtypes.float32 else dtypes.float32
     elif change == "device": device = devices[1] if device == devices[0] else devices[0]
@@ -74,6 +75,8 @@ def test_randomized_changes_never_reuse_a_stale_schedule():
     result = ours(shifted, c)
     if forced: shifted.contiguous()   # (after its readers were made: the realize must store it, not fuse it)
     assert result.device == device   # (a sum of int32 is int64, as in PyTorch: values are compared below)
+    # "beside": realized together with outputs realized already (the input), which add nothing to the schedule
+    if change == "beside": Tensor.realize_all(inputs[key], result, x)
     np.testing.assert_array_equal(result.numpy(), _reference(theirs, x.numpy() + 1, constant, dtype))
     if forced: assert shifted.lazydata.base.realized is not None
   assert schedule_cache.stats.hits - hits_before >= 20   # the cache was in play, not bypassed

@@ -56,6 +56,9 @@ from extra.models.shape_jits import ShapeJits
 
 PREFILL_CAPTURES = 4  # prompt shapes whose jitted prefill is kept (each holds its kernels' buffers)
 PREFILL_BUCKET = 64  # a jitted prefill pads the prompt to a multiple of this many tokens (one capture per bucket)
+# an eager prefill realizes its residual stream after every this many blocks: the device runs them while Python builds
+# the next ones (bench_eager.py's prefill row; Llama._prefill_graph)
+PREFILL_REALIZE_EVERY = int(os.environ.get("PREFILL_REALIZE_EVERY", "2"))
 
 
 @dataclass(frozen=True)
@@ -509,7 +512,7 @@ class Llama:
     tokens_t = Tensor(np.pad(ids, ((0, 0), (0, padded - length))), device=self.device)
     inputs = self._position_inputs(start, length, padded, sequence)
     if not jit:
-      logits = self._prefill_graph(tokens_t, **inputs, attended=attended)
+      logits = self._prefill_graph(tokens_t, **inputs, attended=attended, realize_every=PREFILL_REALIZE_EVERY)
       Tensor.realize_all(logits, *(block.cache for block in self.blocks))
       return logits
     return self._prefill_jits((padded, attended), tokens_t, *inputs.values(), attended)  # positional: the fast path
@@ -519,16 +522,21 @@ class Llama:
     return self._prefill_jits.jits[self.prefill_shape(start, length)]
 
   def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor,
-                     positions: Tensor, last: Tensor, sequence: Tensor, attended: int) -> Tensor:
+                     positions: Tensor, last: Tensor, sequence: Tensor, attended: int,
+                     realize_every: int = 0) -> Tensor:
     """The logits (1, vocab) of row `last` of the (1, B) `tokens` at `positions` (B,), attending to the first
     `attended` slots of cache row `sequence`: slot j is visible to a row at position p when j <= p (the past and
     itself; padded rows see stale slots, harmlessly: their outputs are never read, and every row sees slot 0, so no
-    row is all -inf)."""
+    row is all -inf). `realize_every` > 0 (eager calls): the residual stream, and with it the caches written so far,
+    is realized after every that many blocks, so the device runs those blocks while Python builds the next ones (the
+    residual is stored between blocks anyway: no fusion is lost; blocks of one shape replay one cached schedule)."""
     visible = self.slots[:attended].reshape(1, attended) <= positions.reshape(-1, 1)
     # in the (1, B, 1, head_dim) shape every block reads them in (its own reshape is then none: 2 Functions a block)
     cos, sin = (table.reshape(1, table.shape[0], 1, table.shape[1]) for table in (cos, sin))
     x = self.embed(tokens)
-    for block in self.blocks: x = block(x, cos, sin, write, placement, visible, sequence)
+    for index, block in enumerate(self.blocks):
+      x = block(x, cos, sin, write, placement, visible, sequence)
+      if realize_every > 0 and (index + 1) % realize_every == 0 and index + 1 < len(self.blocks): x.realize()
     return rms_norm(x[0][last], self.norm, self.config.norm_eps).linear(as_tensor(self.output))
 
   def _step_graph(self, step: Tensor, position: Variable | None) -> Tensor:

@@ -18,14 +18,15 @@ from ourgrad.codegen.lowering import AnyKernel, LoweredKernel, OptPolicy, ast_is
   kind_of, kind_of_ast, lower_kernel
 from ourgrad.codegen.opt.search import beam_optimize
 from ourgrad.codegen.uops import UOps, format_uops, launch_dims  # noqa: F401 (launch_dims re-exported)
-from ourgrad.device import Buffer, Device
+from ourgrad.device import Buffer, Compiled, Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine.capture import run_captured
-from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner, is_capturing, \
+from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner, is_capturing, jit_recording, \
   quiet_launches  # noqa: F401 (re-exported)
 from ourgrad.engine.memory import RecordedPlan, held_only_by_items, plan_memory, unheld_buffers
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule import ALWAYS_REALIZED_OPS, ScheduleItem
+from ourgrad import lazy_trace
 from ourgrad.lazy import LazyBuffer
 from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import BEAM, DEBUG, RUNNER_CACHE_SIZE, BoundedCache, GlobalCounters, env_var, prod, tf32_allowed
@@ -33,6 +34,29 @@ from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
 
 
 NO_MEMORY_PLANNER = env_var("NO_MEMORY_PLANNER", 0, "1: every buffer of a schedule gets memory of its own")
+OVERLAP_BACKWARD = env_var("OVERLAP_BACKWARD", 0, "n > 0: an eager backward() whose pending graph holds at least n "
+                           "lazy bases, on a device that queues its kernels (CUDA, OpenCL), realizes its loss first, "
+                           "so the device runs the forward while the backward's graph is built; 0: never "
+                           "(docs/jit.md, overlap)")
+
+
+def queues_work(device: str) -> bool:
+  """Whether `device` runs launched kernels asynchronously (a queue the host does not wait for: its `synchronize` is
+  its own), so that work launched early overlaps Python's next work. Host devices (CLANG, LLVM, PYTHON) run each
+  kernel on the calling thread: launching early only costs there."""
+  return type(Device[device]).synchronize is not Compiled.synchronize
+
+
+def realize_before_backward(device: str | tuple[str, ...]) -> bool:
+  """Whether an eager backward() of a loss on `device` should realize it before building the backward graph: the
+  forward's kernels then run on the device while Python builds the backward (and the optimizer's) graph, instead of
+  after all of it. Only on a device that queues its kernels (queues_work), where the pending graph is large (a small
+  forward's kernels take less device time than the realize costs), and never while TinyJit records (its captured
+  kernels stay those of one schedule)."""
+  setting = OVERLAP_BACKWARD.value
+  if setting <= 0 or jit_recording.active or lazy_trace.pending() < setting: return False
+  return all(queues_work(name) for name in ((device,) if isinstance(device, str) else device))
+
 
 # bounded: a long run that builds ever new kernels (changing shapes) must not keep every one (helpers.clear_caches)
 _runner_cache: BoundedCache[tuple[str, LazyOp, bool], CompiledRunner] = BoundedCache(RUNNER_CACHE_SIZE)
