@@ -38,6 +38,7 @@ _READERS_LOCK = threading.Lock()
 # class (`Ops.CONST`) goes through EnumType's __getattr__ hook, ~0.2 us a read, and every op built read several
 _CONST, _NEG, _ADD, _MUL, _RECIP = Ops.CONST, Ops.NEG, Ops.ADD, Ops.MUL, Ops.RECIP
 _CAST, _BITCAST, _SUM = Ops.CAST, Ops.BITCAST, Ops.SUM
+_BOOL = dtypes.bool
 _PLAIN_SCALARS = (bool, int, float)   # constant values compared directly (a symbolic one goes to _fold_constants)
 
 # the value a reduce starts from, and what reducing an empty axis gives
@@ -313,6 +314,22 @@ class LazyBuffer:
 
   def elementwise(self, op: Ops, *others: LazyBuffer, arg: Any = None, dtype: DType | None = None) -> LazyBuffer:
     """`op` applied elementwise to self and `others` (same shape); folds constants where it can."""
+    if len(others) == 1 and arg is None:
+      # a binary op (most ops built), written out: no loops over the sources, and no constant-folding checks unless
+      # a source is a constant. The same decisions as the general path below (an operand on another device or of
+      # another shape takes that path, which raises)
+      other = others[0]
+      if other.device == self.device and other.shape == self.shape:
+        mine = self if self._base is None else self._base
+        theirs = other if other._base is None else other._base
+        out_dtype = dtype or (_BOOL if op in COMPARISON_OPS else other.dtype)
+        if mine.op is _CONST or theirs.op is _CONST:
+          value = theirs.arg if theirs.op is _CONST else mine.arg
+          if (mine.op is _CONST and theirs.op is _CONST) or ((op is _ADD or op is _MUL) and (
+              type(value) not in _PLAIN_SCALARS or value == 0 or (op is _MUL and value == 1))):
+            folded = self._fold_constants(op, (self, other), out_dtype)
+            if folded is not None: return folded
+        return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, None, (self, other))
     srcs = (self, *others)
     for src in others:
       if src.device != self.device:

@@ -78,11 +78,11 @@ def batch_statistics(x: Tensor) -> tuple[Tensor, Tensor]:
   accumulate = dtypes.float32 if x.dtype.itemsize < 4 else x.dtype
   shifted = _sub(lazy.cast(accumulate), shift.cast(accumulate).expand(x.shape))
   shifted_sum = channel_sum(shifted)
-  shifted_mean = _div(shifted_sum, shifted_sum.const_like(count))
+  shifted_mean = _div(shifted_sum, shifted_sum.operand_like(count))
   # clamped at 0: rounding can leave E[d^2] a hair below E[d]^2 for a constant channel
   squares_sum = channel_sum(_mul(shifted, shifted))
-  variance = _sub(_div(squares_sum, squares_sum.const_like(count)), _mul(shifted_mean, shifted_mean))
-  variance = variance.elementwise(Ops.MAX, variance.const_like(0.0))
+  variance = _sub(_div(squares_sum, squares_sum.operand_like(count)), _mul(shifted_mean, shifted_mean))
+  variance = variance.elementwise(Ops.MAX, variance.operand_like(0.0))
   mean = shift.reshape((x.shape[1],)).cast(accumulate).elementwise(Ops.ADD, shifted_mean)
   return Tensor(mean.cast(x.dtype)), Tensor(variance.cast(x.dtype))
 
