@@ -97,7 +97,7 @@ class LazyBuffer:
   # slots, not a __dict__: a training step makes thousands of LazyBuffers, and each dict is one more object to
   # allocate and for the cyclic garbage collector to visit (a view sets only the first six)
   __slots__ = ("device", "st", "dtype", "shape", "_base", "_const", "op", "arg", "srcs", "realized", "forced_realize",
-               "_readers", "_readers_pruned_at", "_storage", "_trace_index", "__weakref__")
+               "_readers", "_readers_limit", "_storage", "_trace_index", "__weakref__")
 
   # ---------------------------------------------------------------- construction
 
@@ -123,7 +123,7 @@ class LazyBuffer:
     # that must still see the old contents (engine/snapshot.py). Made here, so that noting a reader is one append
     # without a lock (see _prune_readers)
     base._readers = []
-    base._readers_pruned_at = 0
+    base._readers_limit = 16   # (the length at which the list is pruned next: _prune_readers)
     # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding this
     # base or a view of it read its newest version (`current`), computed readers keep this one
     base._storage = None
@@ -138,7 +138,7 @@ class LazyBuffer:
       if source.op is _CONST: continue   # (never written in place: see _add_reader)
       readers = source._readers
       readers.append(reference)
-      if len(readers) > 2 * source._readers_pruned_at + 16: _prune_readers(source)
+      if len(readers) > source._readers_limit: _prune_readers(source)
     trace = _TRACE[0]
     if trace is not None and not trace.tainted and (position := len(trace.bases)) < lazy_trace.MAX_TRACED:
       base._trace_index = position   # (record's common case: a trace open and not full)
@@ -254,7 +254,7 @@ class LazyBuffer:
     base = self._base if self._base is not None else self
     if base.op is _CONST: return
     base._readers.append(weakref.ref(reader))
-    if len(base._readers) > 2 * base._readers_pruned_at + 16: _prune_readers(base)
+    if len(base._readers) > base._readers_limit: _prune_readers(base)
 
   def live_readers(self) -> Iterator[LazyBuffer]:
     """The bases built from this one that are still alive (each at most once)."""
@@ -671,10 +671,10 @@ def _prune_readers(base: LazyBuffer) -> None:
   with _READERS_LOCK:
     readers = base._readers
     count = len(readers)
-    if count <= 2 * base._readers_pruned_at + 16: return   # (another thread pruned it just now)
+    if count <= base._readers_limit: return   # (another thread pruned it just now)
     alive = [ref for ref in readers[:count] if ref() is not None]
     readers[:count] = alive   # (one step: references appended after the first `count` stay)
-    base._readers_pruned_at = len(alive)
+    base._readers_limit = 2 * len(alive) + 16   # (pruned again once it doubled: amortized O(1) per reader)
 
 
 class Storage:

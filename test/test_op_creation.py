@@ -136,7 +136,7 @@ def test_readers_noted_from_threads_are_all_kept() -> None:
     sys.setswitchinterval(interval)
   alive = {id(reader) for reader in base.live_readers()}
   assert all(id(reader) in alive for readers in kept for reader in readers)
-  assert len(base._readers) <= 2 * base._readers_pruned_at + 16
+  assert len(base._readers) <= base._readers_limit
 
 
 def test_pruning_keeps_references_appended_while_it_ran() -> None:
@@ -157,7 +157,7 @@ def test_pruning_keeps_references_appended_while_it_ran() -> None:
   def appending_meanwhile() -> None:   # a dead entry whose read appends, as another thread's append would
     readers.append(late_reference)
   readers.append(appending_meanwhile)
-  base._readers_pruned_at = 0   # (due now)
+  base._readers_limit = 0   # (due now)
   count = len(readers)
   lazy_module._prune_readers(base)
   assert base._readers is readers and len(readers) < count
