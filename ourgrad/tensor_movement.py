@@ -734,6 +734,7 @@ def _stride_step(dim: int, step: int, length: int) -> tuple[Any, Any]:
 
 
 _NO_PADDING = ()   # _plain_pairs' answer when every pair is (0, 0)
+_ZERO_PAIR = (0, 0)
 
 
 def _plain_pairs(padding: Sequence[Any]) -> tuple[tuple[int, int], ...] | None:
@@ -742,8 +743,8 @@ def _plain_pairs(padding: Sequence[Any]) -> tuple[tuple[int, int], ...] | None:
   full."""
   pairs, grows = [], False
   for pair in padding:
-    if pair is None:
-      pairs.append((0, 0))
+    if pair is None or pair == _ZERO_PAIR:   # (no padding: the general path treats a pair of zeros of any type so)
+      pairs.append(_ZERO_PAIR)
       continue
     if type(pair) is not tuple and type(pair) is not list or len(pair) != 2: return None
     before, after = pair
