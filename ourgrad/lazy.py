@@ -38,6 +38,7 @@ _READERS_LOCK = threading.Lock()
 # class (`Ops.CONST`) goes through EnumType's __getattr__ hook, ~0.2 us a read, and every op built read several
 _CONST, _NEG, _ADD, _MUL, _RECIP = Ops.CONST, Ops.NEG, Ops.ADD, Ops.MUL, Ops.RECIP
 _CAST, _BITCAST, _SUM = Ops.CAST, Ops.BITCAST, Ops.SUM
+_ASSIGN, _WHERE, _CONTIGUOUS = Ops.ASSIGN, Ops.WHERE, Ops.CONTIGUOUS
 _BOOL = dtypes.bool
 _PLAIN_SCALARS = (bool, int, float)   # constant values compared directly (a symbolic one goes to _fold_constants)
 
@@ -428,11 +429,11 @@ class LazyBuffer:
     if self.is_base or (self.st.contiguous and self.size == self.base.size):
       self.base.forced_realize = True
       return self
-    return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.CONTIGUOUS, None, (self,))
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, _CONTIGUOUS, None, (self,))
 
   def clone(self) -> LazyBuffer:
     """A copy in a buffer of its own (unlike contiguous(), never the same memory as this buffer)."""
-    return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.CONTIGUOUS, None, (self,))
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, _CONTIGUOUS, None, (self,))
 
   def copy_to_device(self, device: str) -> LazyBuffer:
     device = Device.canonicalize(device)
@@ -614,20 +615,20 @@ class LazyBuffer:
     A view writes through: the base's new version keeps its other elements (`place_through_view`). A constant
     (`Tensor.zeros`, `full`) is memory only once written (`_write_constant`). docs/reliability.md has the rules."""
     base = self.base
-    if base.op is Ops.CONST: return self._write_constant(value)
+    if base.op is _CONST: return self._write_constant(value)
     whole = self is base or (self.st.contiguous and self.size == base.size)
     if whole:
       full = value.reshape(base.shape)
     else:
       placed = place_through_view(value, self.st, base.shape)
       if placed is None: return self   # an empty view: nothing is written
-      full = placed[1].elementwise(Ops.WHERE, placed[0], base)
-    if base.op is Ops.ASSIGN or base.realized is not None:
+      full = placed[1].elementwise(_WHERE, placed[0], base)
+    if base.op is _ASSIGN or base.realized is not None:
       new = base.assign(full)
     elif full.is_base and not whole:
       new = full   # the merge made above: a base no one else holds
     else:   # a base of its own (an identity cast fuses into its readers), so later writes change no other tensor
-      new = LazyBuffer.create_base(self.device, base.shape, self.dtype, Ops.CAST, self.dtype, (full,))
+      new = LazyBuffer.create_base(self.device, base.shape, self.dtype, _CAST, self.dtype, (full,))
     if base._storage is None: base._storage = Storage(base.shape)
     base._storage.become(new)
     return new if self is base else new.view(self.st)
@@ -640,14 +641,14 @@ class LazyBuffer:
     storage, st = self._const
     constant = LazyBuffer.full(self.base.arg, storage.shape, self.dtype, self.device)
     if st is None or (st.contiguous and self.size == prod(storage.shape)):
-      new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, Ops.CAST, self.dtype,
+      new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, _CAST, self.dtype,
                                    (value.reshape(storage.shape),))
     else:
       placed = place_through_view(value, st, storage.shape)
       if placed is None: return self
-      new = placed[1].elementwise(Ops.WHERE, placed[0], constant)
+      new = placed[1].elementwise(_WHERE, placed[0], constant)
       if not new.is_base:   # the merge folded (a constant into a constant): a base of its own, as above
-        new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, Ops.CAST, self.dtype, (new,))
+        new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, _CAST, self.dtype, (new,))
     storage.become(new)
     return new if st is None else new.view(st)
 
@@ -656,7 +657,7 @@ class LazyBuffer:
     # a value that is just another view of this very buffer (x.assign(x.flip(0))) would be overwritten while the
     # kernel still reads it: copy it out first
     if value.base is self.base and value.st != self.st: value = value.clone()
-    return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.ASSIGN, None, (value, self))
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, _ASSIGN, None, (value, self))
 
 
 _new_lazy_buffer = object.__new__

@@ -44,6 +44,9 @@ from ourgrad.ops import Ops
 from ourgrad.tensor import Tensor, no_grad
 
 Lazy = LazyBuffer | MultiLazyBuffer
+# the Ops members the per-operation code below reads, as module globals: in Python 3.11 reading one off the Enum class
+# (`Ops.ADD`) takes EnumType's __getattr__ hook, ~0.2 us a read (lazy.py's note), and a step read a few hundred
+_CONST, _ADD, _MUL, _NEG, _RECIP, _SQRT, _EXP2 = Ops.CONST, Ops.ADD, Ops.MUL, Ops.NEG, Ops.RECIP, Ops.SQRT, Ops.EXP2
 
 
 def _state_like(param: Tensor) -> Tensor:
@@ -97,14 +100,14 @@ class _LazyUpdate:
     return scalar
 
   @staticmethod
-  def add(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(Ops.ADD, y)
+  def add(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(_ADD, y)
 
   def mul(self, x: Lazy, y: Lazy | float) -> Lazy:
     # (a hyper-parameter may be a numpy scalar: anything not a lazy buffer is a number)
-    return x.elementwise(Ops.MUL, y if isinstance(y, (LazyBuffer, MultiLazyBuffer)) else self.constant(float(y), x))
+    return x.elementwise(_MUL, y if isinstance(y, (LazyBuffer, MultiLazyBuffer)) else self.constant(float(y), x))
 
   @staticmethod
-  def neg(x: Lazy) -> Lazy: return x.elementwise(Ops.NEG)   # (x * -1 for floats, as Tensor's neg)
+  def neg(x: Lazy) -> Lazy: return x.elementwise(_NEG)   # (x * -1 for floats, as Tensor's neg)
 
   def one_minus(self, x: Lazy) -> Lazy:
     """1 - x, as Tensor's `1.0 - x` builds it: 1 + (-x)."""
@@ -112,13 +115,13 @@ class _LazyUpdate:
 
   def exp(self, x: Lazy) -> Lazy:
     """e ** x of a float32 value, as Tensor.exp builds it: exp2(x * (1 / ln 2))."""
-    return self.mul(x, 1 / math.log(2)).elementwise(Ops.EXP2)
+    return self.mul(x, 1 / math.log(2)).elementwise(_EXP2)
 
   @staticmethod
-  def div(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(Ops.MUL, y.elementwise(Ops.RECIP))   # as Tensor.div
+  def div(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(_MUL, y.elementwise(_RECIP))   # as Tensor.div
 
   @staticmethod
-  def sqrt(x: Lazy) -> Lazy: return x.elementwise(Ops.SQRT)
+  def sqrt(x: Lazy) -> Lazy: return x.elementwise(_SQRT)
 
   @staticmethod
   def cast(x: Lazy, dtype: DType) -> Lazy: return x.cast(dtype)
@@ -129,9 +132,6 @@ class _LazyUpdate:
     computed values (no constant base) or shared operand constants of values that never fold (`_foldable`), of one
     float dtype, shape and device (the caller checked), and op is not NEG."""
     return LazyBuffer.create_base(x.device, x.shape, x.dtype, op, None, (x,) if y is None else (x, y))
-
-
-_CONST = Ops.CONST
 
 
 def _foldable(value: float) -> bool:
@@ -455,7 +455,7 @@ class Adam(_AdamBase):
     correction1, correction2 = self._bias_corrections(lazy)
     # per step, not per parameter: p + (-lr / c1) * m / (sqrt(v) / sqrt(c2) + eps), the Tensor formula's operations
     minus_step_size = lazy.neg(lazy.div(self.lr_tensor.lazydata, correction1))
-    inverse_sqrt_correction2 = lazy.sqrt(correction2).elementwise(Ops.RECIP)
+    inverse_sqrt_correction2 = lazy.sqrt(correction2).elementwise(_RECIP)
     decay_factor = self._decay_factor(lazy)
     updated: list[Tensor] = [self.t]
     # the per-step values and hyper-parameters allow every parameter's update to be built base by base (_direct)
@@ -497,18 +497,18 @@ class Adam(_AdamBase):
     if not shape: return False   # (0-d: _LazyUpdate.constant's own 0-d constants)
     node, float32 = lazy.direct, dtypes.float32
     def constant(value: float) -> LazyBuffer: return LazyBuffer.operand_constant(value, shape, float32, device)
-    if decay_factor is not None: weights = node(Ops.MUL, weights, lazy.per_step(decay_factor, weights))
+    if decay_factor is not None: weights = node(_MUL, weights, lazy.per_step(decay_factor, weights))
     # _moments: m = b1 * m + (1 - b1) * g and v = b2 * v + (1 - b2) * g * g
-    m_new = node(Ops.MUL, m_old, constant(float(self.b1)))
-    _write(m_state, node(Ops.ADD, m_new, node(Ops.MUL, grad, constant(float(1.0 - self.b1)))))
-    v_new = node(Ops.MUL, v_old, constant(float(self.b2)))
-    squares = node(Ops.MUL, node(Ops.MUL, grad, grad), constant(float(1.0 - self.b2)))
-    _write(v_state, node(Ops.ADD, v_new, squares))
+    m_new = node(_MUL, m_old, constant(float(self.b1)))
+    _write(m_state, node(_ADD, m_new, node(_MUL, grad, constant(float(1.0 - self.b1)))))
+    v_new = node(_MUL, v_old, constant(float(self.b2)))
+    squares = node(_MUL, node(_MUL, grad, grad), constant(float(1.0 - self.b2)))
+    _write(v_state, node(_ADD, v_new, squares))
     m, v = m_state.lazydata, v_state.lazydata
-    denominator = node(Ops.ADD, node(Ops.MUL, node(Ops.SQRT, v), lazy.per_step(inverse_sqrt_correction2, v)),
+    denominator = node(_ADD, node(_MUL, node(_SQRT, v), lazy.per_step(inverse_sqrt_correction2, v)),
                        constant(float(self.eps)))
-    step = node(Ops.MUL, node(Ops.MUL, lazy.per_step(minus_step_size, m), m), node(Ops.RECIP, denominator))
-    _write(param, node(Ops.ADD, weights, step))
+    step = node(_MUL, node(_MUL, lazy.per_step(minus_step_size, m), m), node(_RECIP, denominator))
+    _write(param, node(_ADD, weights, step))
     return True
 
 
