@@ -38,7 +38,7 @@ _READERS_LOCK = threading.Lock()
 # class (`Ops.CONST`) goes through EnumType's __getattr__ hook, ~0.2 us a read, and every op built read several
 _CONST, _NEG, _ADD, _MUL, _RECIP = Ops.CONST, Ops.NEG, Ops.ADD, Ops.MUL, Ops.RECIP
 _CAST, _BITCAST, _SUM = Ops.CAST, Ops.BITCAST, Ops.SUM
-_ASSIGN, _WHERE, _CONTIGUOUS = Ops.ASSIGN, Ops.WHERE, Ops.CONTIGUOUS
+_ASSIGN, _WHERE, _CONTIGUOUS, _GATHER = Ops.ASSIGN, Ops.WHERE, Ops.CONTIGUOUS, Ops.GATHER
 _BOOL = dtypes.bool
 _PLAIN_SCALARS = (bool, int, float)   # constant values compared directly (a symbolic one goes to _fold_constants)
 
@@ -178,7 +178,7 @@ class LazyBuffer:
       uploaded = LazyBuffer.from_numpy(data, dtype, device)
       if len(_HOST_CONSTANTS) >= _HOST_CONSTANTS_MAX: _HOST_CONSTANTS.pop(next(iter(_HOST_CONSTANTS)))  # oldest first
       _HOST_CONSTANTS[key] = uploaded
-    return LazyBuffer.create_base(device, uploaded.shape, dtype, Ops.CAST, dtype, (uploaded,))
+    return LazyBuffer.create_base(device, uploaded.shape, dtype, _CAST, dtype, (uploaded,))
 
   @staticmethod
   def empty(shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
@@ -502,14 +502,14 @@ class LazyBuffer:
       raise DeviceError(f"gather_rows: the index is on {index.device}, the table on {self.device}")
     rows, width = self.shape
     base = self.base
-    if base.op is Ops.CAST and base.realized is None and self.st.contiguous and self.size == base.size and \
+    if base.op is _CAST and base.realized is None and self.st.contiguous and self.size == base.size and \
        base.srcs[0].dtype.is_float and base.dtype.is_float and base.srcs[0].dtype.itemsize < base.dtype.itemsize:
       # a widening float cast is exact, so it commutes with the pick: the narrow values are the table (bfloat16
       # logits under autocast: stored as they are, not copied into a float32 table) and the picked rows are widened
       return base.srcs[0].reshape(self.shape).gather_rows(index).cast(self.dtype)
     table = self.contiguous()  # row-major memory of its own: the kernel computes addresses into it
     spread = index.reshape((index.shape[0], 1)).expand((index.shape[0], width))
-    return LazyBuffer.create_base(self.device, (index.shape[0], width), self.dtype, Ops.GATHER, rows, (table, spread))
+    return LazyBuffer.create_base(self.device, (index.shape[0], width), self.dtype, _GATHER, rows, (table, spread))
 
   def accumulate_rows(self, index: LazyBuffer, rows: LazyBuffer) -> LazyBuffer:
     """This (N, R) buffer with rows[m] of the (M, R) `rows` added to row index[m] of it, for m = 0, 1, ... in
