@@ -120,6 +120,7 @@ def _record_inputs(ctx: Function, device: str, tensors: tuple[Tensor, ...]) -> N
 # class (`Ops.ADD`) goes through EnumType's __getattr__ hook, ~0.2 us a read, once or twice for every op built
 _ADD, _MUL, _NEG, _RECIP, _WHERE, _CMPNE, _CMPLT = Ops.ADD, Ops.MUL, Ops.NEG, Ops.RECIP, Ops.WHERE, Ops.CMPNE, Ops.CMPLT
 _EXP2, _LOG2, _MAX, _SQRT, _SUM, _MAX_REDUCE = Ops.EXP2, Ops.LOG2, Ops.MAX, Ops.SQRT, Ops.SUM, Ops.MAX_REDUCE
+_AND, _OR, _SIN = Ops.AND, Ops.OR, Ops.SIN
 
 
 def _sub(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(_ADD, b.elementwise(_NEG))
@@ -201,7 +202,7 @@ class Cast(Function):
 
 class Neg(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer: return x.elementwise(_NEG)
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.elementwise(Ops.NEG)
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.elementwise(_NEG)
 
 
 class Reciprocal(Function):
@@ -210,16 +211,16 @@ class Reciprocal(Function):
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    return _mul(grad_output.elementwise(Ops.NEG), _mul(self.result, self.result))
+    return _mul(grad_output.elementwise(_NEG), _mul(self.result, self.result))
 
 
 class Sin(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
     self.x = x
-    return x.elementwise(Ops.SIN)
+    return x.elementwise(_SIN)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    cos_x = _sub(self.x.const_like(math.pi / 2), self.x).elementwise(Ops.SIN)
+    cos_x = _sub(self.x.const_like(math.pi / 2), self.x).elementwise(_SIN)
     return _mul(cos_x, grad_output)
 
 
@@ -230,7 +231,7 @@ class Relu(Function):
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
     # the result is >= 0 or NaN: the gradient passes where it is not 0 (at NaN too, as in torch)
-    passes = self.result.elementwise(Ops.CMPNE, self.result.operand_like(0))
+    passes = self.result.elementwise(_CMPNE, self.result.operand_like(0))
     return _mul(passes.cast(grad_output.dtype), grad_output)
 
 
@@ -322,8 +323,8 @@ class WithDerivatives(Function):
 
 def _sigmoid(x: LazyBuffer) -> LazyBuffer:
   """1 / (1 + exp(-x)) on a lazy buffer (Sigmoid's forward, and composites built on lazy buffers: GELU)."""
-  exp_neg = _scale(_widen(x), -1 / math.log(2)).elementwise(Ops.EXP2)
-  return exp_neg.operand_like(1).elementwise(Ops.ADD, exp_neg).elementwise(Ops.RECIP).cast(x.dtype)
+  exp_neg = _scale(_widen(x), -1 / math.log(2)).elementwise(_EXP2)
+  return exp_neg.operand_like(1).elementwise(_ADD, exp_neg).elementwise(_RECIP).cast(x.dtype)
 
 
 class Sigmoid(Function):
@@ -381,7 +382,7 @@ class Sub(Function):
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     return (grad_output if self.needs_input_grad[0] else None,
-            grad_output.elementwise(Ops.NEG) if self.needs_input_grad[1] else None)
+            grad_output.elementwise(_NEG) if self.needs_input_grad[1] else None)
 
 
 class Mul(Function):
@@ -412,7 +413,7 @@ class Div(Function):
     grad_x = _div(grad_output, self.y) if self.needs_input_grad[0] else None
     grad_y = None
     if self.needs_input_grad[1]:
-      grad_y = _div(_mul(grad_output.elementwise(Ops.NEG), self.x), _mul(self.y, self.y))
+      grad_y = _div(_mul(grad_output.elementwise(_NEG), self.x), _mul(self.y, self.y))
     return grad_x, grad_y
 
 
@@ -422,23 +423,23 @@ class Maximum(Function):
 
   def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
     self.x, self.y = x, y
-    return x.elementwise(Ops.MAX, y)
+    return x.elementwise(_MAX, y)
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     zero = grad_output.operand_like(0)
     shared = _where(_equal(self.x, self.y), _scale(grad_output, 0.5), grad_output)
-    return (_where(self.x.elementwise(Ops.CMPLT, self.y), zero, shared) if self.needs_input_grad[0] else None,
-            _where(self.y.elementwise(Ops.CMPLT, self.x), zero, shared) if self.needs_input_grad[1] else None)
+    return (_where(self.x.elementwise(_CMPLT, self.y), zero, shared) if self.needs_input_grad[0] else None,
+            _where(self.y.elementwise(_CMPLT, self.x), zero, shared) if self.needs_input_grad[1] else None)
 
 
 def _abs(x: LazyBuffer) -> LazyBuffer:
-  return _where(x.elementwise(Ops.CMPLT, x.const_like(0)), x.elementwise(Ops.NEG), x)
+  return _where(x.elementwise(_CMPLT, x.const_like(0)), x.elementwise(_NEG), x)
 
 
 def _magnitude_pow(x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
   """|x| ** y as exp2(y * log2|x|), float16/bfloat16 computed in float32."""
-  log_base = _abs(_widen(x)).elementwise(Ops.LOG2)
-  return _mul(_widen(y), log_base).elementwise(Ops.EXP2).cast(x.dtype)
+  log_base = _abs(_widen(x)).elementwise(_LOG2)
+  return _mul(_widen(y), log_base).elementwise(_EXP2).cast(x.dtype)
 
 
 class Pow(Function):
@@ -461,9 +462,9 @@ class Pow(Function):
       power = _where(self.is_one_below, one, _mul(self.sign_below, _magnitude_pow(x, _sub(y, one))))
       grad_x = _mul(_where(_equal(y, zero), zero, _mul(y, power)), grad_output)
     if self.needs_input_grad[1]:
-      log_x = _scale(_widen(x).elementwise(Ops.LOG2), math.log(2)).cast(x.dtype)
-      y_not_negative = zero.elementwise(Ops.CMPLT, y).elementwise(Ops.OR, _equal(y, zero))  # False for NaN
-      no_slope = _equal(x, zero).elementwise(Ops.AND, y_not_negative)
+      log_x = _scale(_widen(x).elementwise(_LOG2), math.log(2)).cast(x.dtype)
+      y_not_negative = zero.elementwise(_CMPLT, y).elementwise(_OR, _equal(y, zero))  # False for NaN
+      no_slope = _equal(x, zero).elementwise(_AND, y_not_negative)
       grad_y = _mul(_where(no_slope, zero, _mul(self.result, log_x)), grad_output)
     return grad_x, grad_y, None, None, None, None
 
@@ -513,7 +514,7 @@ class Matmul(Function):
     y_columns = y_columns.reshape(y_columns.shape[:-2] + (1,) + y_columns.shape[-2:])
     self.x_rows_shape, self.y_columns_shape = x_rows.shape, y_columns.shape
     self.x, self.y = _broadcast_to(x_rows, shape), _broadcast_to(y_columns, shape)
-    return _mul(self.x, self.y).reduce(Ops.SUM, (len(shape) - 1,)).reshape(shape[:-1])
+    return _mul(self.x, self.y).reduce(_SUM, (len(shape) - 1,)).reshape(shape[:-1])
 
   def saved_values(self) -> list[LazyBuffer]:   # each operand is needed only for the other's gradient (as Mul)
     return [value for value, needed in ((self.y, self.needs_input_grad[0]), (self.x, self.needs_input_grad[1]))
@@ -564,9 +565,9 @@ class Max(Function):
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
     grad_output = grad_output.reshape(self.result.shape)
-    is_max = self.x.elementwise(Ops.CMPNE, self.result.expand(self.x.shape)).elementwise(Ops.NEG)
+    is_max = self.x.elementwise(_CMPNE, self.result.expand(self.x.shape)).elementwise(_NEG)
     is_max = is_max.cast(grad_output.dtype)
-    count = is_max.reduce(Ops.SUM, self.axes).expand(self.x.shape)
+    count = is_max.reduce(_SUM, self.axes).expand(self.x.shape)
     return _mul(_div(is_max, count), grad_output.expand(self.x.shape))
 
 
@@ -582,7 +583,7 @@ class LogSumExpGrad(Function):
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None]:
     shape = self.x.shape
     shifted = _widen(_sub(self.x, self.value.expand(shape)))
-    softmax = _scale(shifted, 1 / math.log(2)).elementwise(Ops.EXP2).cast(self.x.dtype)
+    softmax = _scale(shifted, 1 / math.log(2)).elementwise(_EXP2).cast(self.x.dtype)
     return _mul(softmax, grad_output.expand(shape)), None
 
 
@@ -599,7 +600,7 @@ class SoftmaxGrad(Function):
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None]:
     store_low_precision(grad_output)
     grad, y = _widen(grad_output), _widen(self.y)
-    weighted = _mul(grad, y).reduce(Ops.SUM, (self.axis,)).expand(y.shape)
+    weighted = _mul(grad, y).reduce(_SUM, (self.axis,)).expand(y.shape)
     return _mul(y, _sub(grad, weighted)).cast(self.input_dtype), None
 
 
@@ -616,13 +617,13 @@ class MaxToOne(Function):
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None]:
     x, rank = self.x, self.rank
-    is_nan = x.elementwise(Ops.CMPNE, x)
+    is_nan = x.elementwise(_CMPNE, x)
     # a NaN peak makes every comparison false, so the NaNs are the candidates there; the smallest rank wins among them.
     # Two nested selects, not one on `x == max | x != x`: gcc 12 does not vectorize that OR of an equality and a NaN
     # test (the CPU's max-pool backward then ran scalar, 3.5x slower).
-    not_max = _where(is_nan, rank.elementwise(Ops.NEG), rank.operand_like(rank.dtype.min))
+    not_max = _where(is_nan, rank.elementwise(_NEG), rank.operand_like(rank.dtype.min))
     key = _where(_equal(x, self.result.expand(x.shape)), rank, not_max)
-    chosen = _equal(key, key.reduce(Ops.MAX_REDUCE, self.axes).expand(x.shape))
+    chosen = _equal(key, key.reduce(_MAX_REDUCE, self.axes).expand(x.shape))
     grad = _where(chosen, grad_output.expand(x.shape), grad_output.operand_like(0).expand(x.shape))
     return grad, None
 
@@ -671,7 +672,7 @@ def _sum_to_shape(grad: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
   reduce, and reshaped to `shape` where dims were added."""
   padded = (1,) * (len(grad.shape) - len(shape)) + shape
   axes = tuple(axis for axis, (old, new) in enumerate(zip(padded, grad.shape)) if old != new)
-  summed = grad.reduce(Ops.SUM, axes)
+  summed = grad.reduce(_SUM, axes)
   return summed if padded == shape else summed.reshape(shape)
 
 

@@ -38,6 +38,8 @@ _READERS_LOCK = threading.Lock()
 # class (`Ops.CONST`) goes through EnumType's __getattr__ hook, ~0.2 us a read, and every op built read several
 _CONST, _NEG, _ADD, _MUL, _RECIP = Ops.CONST, Ops.NEG, Ops.ADD, Ops.MUL, Ops.RECIP
 _CAST, _BITCAST, _SUM = Ops.CAST, Ops.BITCAST, Ops.SUM
+_ASSIGN, _WHERE, _CONTIGUOUS, _GATHER = Ops.ASSIGN, Ops.WHERE, Ops.CONTIGUOUS, Ops.GATHER
+_BOOL = dtypes.bool
 _PLAIN_SCALARS = (bool, int, float)   # constant values compared directly (a symbolic one goes to _fold_constants)
 
 # the value a reduce starts from, and what reducing an empty axis gives
@@ -96,7 +98,7 @@ class LazyBuffer:
   # slots, not a __dict__: a training step makes thousands of LazyBuffers, and each dict is one more object to
   # allocate and for the cyclic garbage collector to visit (a view sets only the first six)
   __slots__ = ("device", "st", "dtype", "shape", "_base", "_const", "op", "arg", "srcs", "realized", "forced_realize",
-               "_readers", "_readers_pruned_at", "_storage", "_trace_index", "__weakref__")
+               "_readers", "_readers_limit", "_storage", "_trace_index", "__weakref__")
 
   # ---------------------------------------------------------------- construction
 
@@ -122,7 +124,7 @@ class LazyBuffer:
     # that must still see the old contents (engine/snapshot.py). Made here, so that noting a reader is one append
     # without a lock (see _prune_readers)
     base._readers = []
-    base._readers_pruned_at = 0
+    base._readers_limit = 16   # (the length at which the list is pruned next: _prune_readers)
     # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding this
     # base or a view of it read its newest version (`current`), computed readers keep this one
     base._storage = None
@@ -137,7 +139,7 @@ class LazyBuffer:
       if source.op is _CONST: continue   # (never written in place: see _add_reader)
       readers = source._readers
       readers.append(reference)
-      if len(readers) > 2 * source._readers_pruned_at + 16: _prune_readers(source)
+      if len(readers) > source._readers_limit: _prune_readers(source)
     trace = _TRACE[0]
     if trace is not None and not trace.tainted and (position := len(trace.bases)) < lazy_trace.MAX_TRACED:
       base._trace_index = position   # (record's common case: a trace open and not full)
@@ -176,7 +178,7 @@ class LazyBuffer:
       uploaded = LazyBuffer.from_numpy(data, dtype, device)
       if len(_HOST_CONSTANTS) >= _HOST_CONSTANTS_MAX: _HOST_CONSTANTS.pop(next(iter(_HOST_CONSTANTS)))  # oldest first
       _HOST_CONSTANTS[key] = uploaded
-    return LazyBuffer.create_base(device, uploaded.shape, dtype, Ops.CAST, dtype, (uploaded,))
+    return LazyBuffer.create_base(device, uploaded.shape, dtype, _CAST, dtype, (uploaded,))
 
   @staticmethod
   def empty(shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
@@ -253,7 +255,7 @@ class LazyBuffer:
     base = self._base if self._base is not None else self
     if base.op is _CONST: return
     base._readers.append(weakref.ref(reader))
-    if len(base._readers) > 2 * base._readers_pruned_at + 16: _prune_readers(base)
+    if len(base._readers) > base._readers_limit: _prune_readers(base)
 
   def live_readers(self) -> Iterator[LazyBuffer]:
     """The bases built from this one that are still alive (each at most once)."""
@@ -313,6 +315,22 @@ class LazyBuffer:
 
   def elementwise(self, op: Ops, *others: LazyBuffer, arg: Any = None, dtype: DType | None = None) -> LazyBuffer:
     """`op` applied elementwise to self and `others` (same shape); folds constants where it can."""
+    if len(others) == 1 and arg is None:
+      # a binary op (most ops built), written out: no loops over the sources, and no constant-folding checks unless
+      # a source is a constant. The same decisions as the general path below (an operand on another device or of
+      # another shape takes that path, which raises)
+      other = others[0]
+      if other.device == self.device and other.shape == self.shape:
+        mine = self if self._base is None else self._base
+        theirs = other if other._base is None else other._base
+        out_dtype = dtype or (_BOOL if op in COMPARISON_OPS else other.dtype)
+        if mine.op is _CONST or theirs.op is _CONST:
+          value = theirs.arg if theirs.op is _CONST else mine.arg
+          if (mine.op is _CONST and theirs.op is _CONST) or ((op is _ADD or op is _MUL) and (
+              type(value) not in _PLAIN_SCALARS or value == 0 or (op is _MUL and value == 1))):
+            folded = self._fold_constants(op, (self, other), out_dtype)
+            if folded is not None: return folded
+        return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, None, (self, other))
     srcs = (self, *others)
     for src in others:
       if src.device != self.device:
@@ -411,11 +429,11 @@ class LazyBuffer:
     if self.is_base or (self.st.contiguous and self.size == self.base.size):
       self.base.forced_realize = True
       return self
-    return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.CONTIGUOUS, None, (self,))
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, _CONTIGUOUS, None, (self,))
 
   def clone(self) -> LazyBuffer:
     """A copy in a buffer of its own (unlike contiguous(), never the same memory as this buffer)."""
-    return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.CONTIGUOUS, None, (self,))
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, _CONTIGUOUS, None, (self,))
 
   def copy_to_device(self, device: str) -> LazyBuffer:
     device = Device.canonicalize(device)
@@ -484,14 +502,14 @@ class LazyBuffer:
       raise DeviceError(f"gather_rows: the index is on {index.device}, the table on {self.device}")
     rows, width = self.shape
     base = self.base
-    if base.op is Ops.CAST and base.realized is None and self.st.contiguous and self.size == base.size and \
+    if base.op is _CAST and base.realized is None and self.st.contiguous and self.size == base.size and \
        base.srcs[0].dtype.is_float and base.dtype.is_float and base.srcs[0].dtype.itemsize < base.dtype.itemsize:
       # a widening float cast is exact, so it commutes with the pick: the narrow values are the table (bfloat16
       # logits under autocast: stored as they are, not copied into a float32 table) and the picked rows are widened
       return base.srcs[0].reshape(self.shape).gather_rows(index).cast(self.dtype)
     table = self.contiguous()  # row-major memory of its own: the kernel computes addresses into it
     spread = index.reshape((index.shape[0], 1)).expand((index.shape[0], width))
-    return LazyBuffer.create_base(self.device, (index.shape[0], width), self.dtype, Ops.GATHER, rows, (table, spread))
+    return LazyBuffer.create_base(self.device, (index.shape[0], width), self.dtype, _GATHER, rows, (table, spread))
 
   def accumulate_rows(self, index: LazyBuffer, rows: LazyBuffer) -> LazyBuffer:
     """This (N, R) buffer with rows[m] of the (M, R) `rows` added to row index[m] of it, for m = 0, 1, ... in
@@ -597,20 +615,20 @@ class LazyBuffer:
     A view writes through: the base's new version keeps its other elements (`place_through_view`). A constant
     (`Tensor.zeros`, `full`) is memory only once written (`_write_constant`). docs/reliability.md has the rules."""
     base = self.base
-    if base.op is Ops.CONST: return self._write_constant(value)
+    if base.op is _CONST: return self._write_constant(value)
     whole = self is base or (self.st.contiguous and self.size == base.size)
     if whole:
       full = value.reshape(base.shape)
     else:
       placed = place_through_view(value, self.st, base.shape)
       if placed is None: return self   # an empty view: nothing is written
-      full = placed[1].elementwise(Ops.WHERE, placed[0], base)
-    if base.op is Ops.ASSIGN or base.realized is not None:
+      full = placed[1].elementwise(_WHERE, placed[0], base)
+    if base.op is _ASSIGN or base.realized is not None:
       new = base.assign(full)
     elif full.is_base and not whole:
       new = full   # the merge made above: a base no one else holds
     else:   # a base of its own (an identity cast fuses into its readers), so later writes change no other tensor
-      new = LazyBuffer.create_base(self.device, base.shape, self.dtype, Ops.CAST, self.dtype, (full,))
+      new = LazyBuffer.create_base(self.device, base.shape, self.dtype, _CAST, self.dtype, (full,))
     if base._storage is None: base._storage = Storage(base.shape)
     base._storage.become(new)
     return new if self is base else new.view(self.st)
@@ -623,14 +641,14 @@ class LazyBuffer:
     storage, st = self._const
     constant = LazyBuffer.full(self.base.arg, storage.shape, self.dtype, self.device)
     if st is None or (st.contiguous and self.size == prod(storage.shape)):
-      new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, Ops.CAST, self.dtype,
+      new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, _CAST, self.dtype,
                                    (value.reshape(storage.shape),))
     else:
       placed = place_through_view(value, st, storage.shape)
       if placed is None: return self
-      new = placed[1].elementwise(Ops.WHERE, placed[0], constant)
+      new = placed[1].elementwise(_WHERE, placed[0], constant)
       if not new.is_base:   # the merge folded (a constant into a constant): a base of its own, as above
-        new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, Ops.CAST, self.dtype, (new,))
+        new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, _CAST, self.dtype, (new,))
     storage.become(new)
     return new if st is None else new.view(st)
 
@@ -639,7 +657,7 @@ class LazyBuffer:
     # a value that is just another view of this very buffer (x.assign(x.flip(0))) would be overwritten while the
     # kernel still reads it: copy it out first
     if value.base is self.base and value.st != self.st: value = value.clone()
-    return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.ASSIGN, None, (value, self))
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, _ASSIGN, None, (value, self))
 
 
 _new_lazy_buffer = object.__new__
@@ -654,10 +672,10 @@ def _prune_readers(base: LazyBuffer) -> None:
   with _READERS_LOCK:
     readers = base._readers
     count = len(readers)
-    if count <= 2 * base._readers_pruned_at + 16: return   # (another thread pruned it just now)
+    if count <= base._readers_limit: return   # (another thread pruned it just now)
     alive = [ref for ref in readers[:count] if ref() is not None]
     readers[:count] = alive   # (one step: references appended after the first `count` stay)
-    base._readers_pruned_at = len(alive)
+    base._readers_limit = 2 * len(alive) + 16   # (pruned again once it doubled: amortized O(1) per reader)
 
 
 class Storage:

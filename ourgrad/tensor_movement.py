@@ -132,6 +132,10 @@ class MovementMixin:
     or one (before, after) pair (or None) per dimension. Negative amounts crop. tinygrad's `x.pad(p, "reflect")`
     (the mode second) works too."""
     if isinstance(value, str): mode, value = value, 0.0
+    if mode == "constant" and len(padding) == self.ndim and (plain := _plain_pairs(padding)) is not None:
+      # (the common form, a pooling's or a convolution's: one pair of non-negative ints or None per dim, no crop and
+      # no symbolic amount to check: the general path below comes to the same, through a dozen generator frames)
+      return self if plain is _NO_PADDING else _constant_padded(self, plain, value)
     if mode not in PAD_MODES: raise ValueError(f"pad mode must be one of {PAD_MODES}, got {mode!r}")
     if all(isinstance(amount, (int, np.integer)) for amount in padding):
       if len(padding) % 2 or len(padding) // 2 > self.ndim:
@@ -156,11 +160,7 @@ class MovementMixin:
     x = self.shrink(crop) if crops else self
     if all(pair == (0, 0) for pair in grow): return x
     if mode != "constant": return pad_with_mode(x, grow, mode)
-    padded = F.Pad.apply(x, arg=grow)
-    # -0.0 == 0 in Python, but a float tensor padded with -0.0 keeps that sign (cat relies on it)
-    if value == 0 and not (self.dtype.is_float and math.copysign(1.0, value) < 0): return padded
-    inside = F.Pad.apply(type(self).ones(*x.shape, dtype=dtypes.bool, device=x.device), arg=grow)
-    return inside.where(padded, value)
+    return _constant_padded(x, grow, value)
 
   def squeeze(self, dim: int | None = None) -> Tensor:
     """A view without dimension `dim` if its size is 1 (else unchanged); dim=None drops every size-1 dimension."""
@@ -731,6 +731,36 @@ def _stride_step(dim: int, step: int, length: int) -> tuple[Any, Any]:
     flat = spread.reshape(t.shape[:dim] + (kept * step,) + t.shape[dim + 1:])
     return flat.shrink([(0, length) if a == dim else None for a in range(t.ndim)])
   return forward, inverse
+
+
+_NO_PADDING = ()   # _plain_pairs' answer when every pair is (0, 0)
+_ZERO_PAIR = (0, 0)
+
+
+def _plain_pairs(padding: Sequence[Any]) -> tuple[tuple[int, int], ...] | None:
+  """`padding` as (before, after) pairs when each item is None or a pair of non-negative Python ints (_NO_PADDING
+  when all are zero); None for any other form (flat ints, crops, numpy or symbolic amounts), which `pad` reads in
+  full."""
+  pairs, grows = [], False
+  for pair in padding:
+    if pair is None or pair == _ZERO_PAIR:   # (no padding: the general path treats a pair of zeros of any type so)
+      pairs.append(_ZERO_PAIR)
+      continue
+    if type(pair) is not tuple and type(pair) is not list or len(pair) != 2: return None
+    before, after = pair
+    if type(before) is not int or type(after) is not int or before < 0 or after < 0: return None
+    if before or after: grows = True
+    pairs.append((before, after))
+  return tuple(pairs) if grows else _NO_PADDING
+
+
+def _constant_padded(x: Tensor, grow: tuple[tuple[Any, Any], ...], value: Scalar) -> Tensor:
+  """x padded by the non-negative `grow` pairs with `value`."""
+  padded = F.Pad.apply(x, arg=grow)
+  # -0.0 == 0 in Python, but a float tensor padded with -0.0 keeps that sign (cat relies on it)
+  if value == 0 and not (x.dtype.is_float and math.copysign(1.0, value) < 0): return padded
+  inside = F.Pad.apply(type(x).ones(*x.shape, dtype=dtypes.bool, device=x.device), arg=grow)
+  return inside.where(padded, value)
 
 
 def _symbolic_pad_amount(amount: Any) -> Any:
