@@ -227,6 +227,12 @@ class LazyBuffer:
   def is_base(self) -> bool: return self._base is None
 
   @property
+  def reads_whole_base(self) -> bool:
+    """Whether this buffer reads all of its base's memory as it lies, row-major from element 0: the base itself or a
+    contiguous view of all of it (a reshape). Then the base's buffer holds exactly this buffer's values."""
+    return self._base is None or (self.st.contiguous and self.size == self._base.size)
+
+  @property
   def size(self) -> int: return prod(self.shape)
 
   @property
@@ -408,7 +414,7 @@ class LazyBuffer:
   def contiguous(self) -> LazyBuffer:
     """A buffer holding these values in row-major order (realized as its own kernel if it is a view)."""
     # a base, or a plain reshape of one, already is row-major data: realize the base, no copy
-    if self.is_base or (self.st.contiguous and self.size == self.base.size):
+    if self.reads_whole_base:
       self.base.forced_realize = True
       return self
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, Ops.CONTIGUOUS, None, (self,))
@@ -484,7 +490,7 @@ class LazyBuffer:
       raise DeviceError(f"gather_rows: the index is on {index.device}, the table on {self.device}")
     rows, width = self.shape
     base = self.base
-    if base.op is Ops.CAST and base.realized is None and self.st.contiguous and self.size == base.size and \
+    if base.op is Ops.CAST and base.realized is None and self.reads_whole_base and \
        base.srcs[0].dtype.is_float and base.dtype.is_float and base.srcs[0].dtype.itemsize < base.dtype.itemsize:
       # a widening float cast is exact, so it commutes with the pick: the narrow values are the table (bfloat16
       # logits under autocast: stored as they are, not copied into a float32 table) and the picked rows are widened
@@ -598,7 +604,7 @@ class LazyBuffer:
     (`Tensor.zeros`, `full`) is memory only once written (`_write_constant`). docs/reliability.md has the rules."""
     base = self.base
     if base.op is Ops.CONST: return self._write_constant(value)
-    whole = self is base or (self.st.contiguous and self.size == base.size)
+    whole = self.reads_whole_base
     if whole:
       full = value.reshape(base.shape)
     else:

@@ -223,7 +223,7 @@ def _is_buffer_backed(tensor: Tensor) -> bool:
   """Whether the tensor reads a realized buffer in row-major order from its first element (the base itself or a
   reshape of it): then that buffer is the input a replay swaps."""
   lazy = tensor.lazydata
-  return lazy.base.realized is not None and lazy.st.contiguous and lazy.size == lazy.base.size
+  return lazy.base.realized is not None and lazy.reads_whole_base
 
 
 def _prepare_inputs(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -271,7 +271,7 @@ def _contiguous_outputs(value: Any, path: str, outputs: list[Tensor]) -> Any:
   alive until the cyclic collector runs."""
   if isinstance(value, Tensor):
     lazy = value.lazydata
-    if not lazy.is_base and not (lazy.st.contiguous and lazy.size == lazy.base.size) and \
+    if not lazy.reads_whole_base and \
         (type(lazy) is not LazyBuffer or _output_range(lazy) is None):
       value = value.contiguous()
     outputs.append(value)
@@ -306,7 +306,7 @@ def _finish_call(result: Any, capturing: bool = False) -> tuple[Any, list[Tensor
     for tensor, lazy in previous.values():
       old_buffer = lazy.base.realized
       if old_buffer is None or tensor.lazydata.base.realized is old_buffer: continue
-      if not (lazy.is_base or (lazy.st.contiguous and lazy.size == lazy.base.size)) or lazy.shape != tensor.shape:
+      if not lazy.reads_whole_base or lazy.shape != tensor.shape:
         raise JitError(f"a jitted function assigned to a view {lazy.shape} of a buffer it cannot write in place; "
                        f"assign to a realized tensor of its own (e.g. make it with .contiguous().realize())")
       write_backs.append(Tensor(LazyBuffer.from_buffer(old_buffer, lazy.base.shape)).reshape(tensor.shape)
@@ -490,7 +490,7 @@ class CapturedJit:
 
 def _part_range(lazy: LazyBuffer) -> tuple[int, int] | None:
   """The run of its base's buffer that an output reads when it is not all of it (`_output_range`), else None."""
-  if type(lazy) is not LazyBuffer or lazy.is_base or (lazy.st.contiguous and lazy.size == lazy.base.size): return None
+  if type(lazy) is not LazyBuffer or lazy.reads_whole_base: return None
   return _output_range(lazy)
 
 
