@@ -444,6 +444,13 @@ class LazyBuffer:
     if self.size == 0: return 0, 0
     return (view.offset, self.size) if view.strides == strides_for_shape(view.shape) else None
 
+  def fixed_base_range(self) -> tuple[int, int] | None:
+    """`base_range` when neither this view nor its base's shape holds a Variable: the same run of the buffer whatever
+    the Variables are bound to, that a caller may name as memory (a stored view read in place, a JIT output)."""
+    if self.st.symbolic or any(is_symbolic(size) for size in self.base.shape): return None
+    run = self.base_range()
+    return run if run is not None and type(run[0]) is int and type(run[1]) is int else None
+
   def _copy_from_disk(self, device: str) -> LazyBuffer:
     """This DISK buffer (a window of a file) or view of one, copied to `device`. DISK runs no kernels, so a view is
     never made contiguous on DISK: a view that is one contiguous run of the base (`base_range`) is copied as that

@@ -254,25 +254,16 @@ def _check_distinct(paths: list[str], buffers: list[Buffer]) -> None:
     seen[id(buffer)] = path
 
 
-def _output_range(lazy: LazyBuffer) -> tuple[int, int] | None:
-  """(first element, element count) of the base's memory that an output reads in row-major order, when that is one
-  contiguous run of a base with fixed sizes (the base, a reshape of it, a slice of its leading axis, a part of a
-  kernel's output buffer such as the fused attention's O or one of its gradients); None otherwise."""
-  if any(isinstance(size, Node) for size in (*lazy.shape, *lazy.base.shape)): return None
-  run = lazy.base_range()
-  return run if run is not None and isinstance(run[0], int) else None
-
-
 def _contiguous_outputs(value: Any, path: str, outputs: list[Tensor]) -> Any:
   """`value` (a function's result) with each Tensor that is a view made contiguous, except a view of one contiguous
-  run of its base (`_output_range`): a replay returns that as the same view of the buffer, no copy kernel. Appends
-  the Tensors to `outputs` in order. A module-level function, not a closure calling itself: such a closure is a
-  reference cycle (function -> cell -> function) that would keep `outputs`, and the device buffers of its Tensors,
-  alive until the cyclic collector runs."""
+  run of its base with fixed sizes (LazyBuffer.fixed_base_range: a slice of its leading axis, a part of a kernel's
+  output buffer such as the fused attention's O or one of its gradients): a replay returns that as the same view of
+  the buffer, no copy kernel. Appends the Tensors to `outputs` in order. A module-level function, not a closure
+  calling itself: such a closure is a reference cycle (function -> cell -> function) that would keep `outputs`, and
+  the device buffers of its Tensors, alive until the cyclic collector runs."""
   if isinstance(value, Tensor):
     lazy = value.lazydata
-    if not lazy.reads_whole_base and \
-        (type(lazy) is not LazyBuffer or _output_range(lazy) is None):
+    if not lazy.reads_whole_base and (type(lazy) is not LazyBuffer or lazy.fixed_base_range() is None):
       value = value.contiguous()
     outputs.append(value)
     return value
@@ -489,9 +480,9 @@ class CapturedJit:
 
 
 def _part_range(lazy: LazyBuffer) -> tuple[int, int] | None:
-  """The run of its base's buffer that an output reads when it is not all of it (`_output_range`), else None."""
+  """The run of its base's buffer that an output reads when it is not all of it (`_contiguous_outputs`), else None."""
   if type(lazy) is not LazyBuffer or lazy.reads_whole_base: return None
-  return _output_range(lazy)
+  return lazy.fixed_base_range()
 
 
 def _written(items: list[ExecItem]) -> set[int]:
