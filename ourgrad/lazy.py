@@ -229,6 +229,12 @@ class LazyBuffer:
   def is_base(self) -> bool: return self._base is None
 
   @property
+  def reads_whole_base(self) -> bool:
+    """Whether this buffer reads all of its base's memory as it lies, row-major from element 0: the base itself or a
+    contiguous view of all of it (a reshape). Then the base's buffer holds exactly this buffer's values."""
+    return self._base is None or (self.st.contiguous and self.size == self._base.size)
+
+  @property
   def size(self) -> int: return prod(self.shape)
 
   @property
@@ -426,7 +432,7 @@ class LazyBuffer:
   def contiguous(self) -> LazyBuffer:
     """A buffer holding these values in row-major order (realized as its own kernel if it is a view)."""
     # a base, or a plain reshape of one, already is row-major data: realize the base, no copy
-    if self.is_base or (self.st.contiguous and self.size == self.base.size):
+    if self.reads_whole_base:
       self.base.forced_realize = True
       return self
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, _CONTIGUOUS, None, (self,))
@@ -455,6 +461,13 @@ class LazyBuffer:
     if len(st.views) != 1 or view.mask is not None: return None
     if self.size == 0: return 0, 0
     return (view.offset, self.size) if view.strides == strides_for_shape(view.shape) else None
+
+  def fixed_base_range(self) -> tuple[int, int] | None:
+    """`base_range` when neither this view nor its base's shape holds a Variable: the same run of the buffer whatever
+    the Variables are bound to, that a caller may name as memory (a stored view read in place, a JIT output)."""
+    if self.st.symbolic or any(is_symbolic(size) for size in self.base.shape): return None
+    run = self.base_range()
+    return run if run is not None and type(run[0]) is int and type(run[1]) is int else None
 
   def _copy_from_disk(self, device: str) -> LazyBuffer:
     """This DISK buffer (a window of a file) or view of one, copied to `device`. DISK runs no kernels, so a view is
@@ -502,7 +515,7 @@ class LazyBuffer:
       raise DeviceError(f"gather_rows: the index is on {index.device}, the table on {self.device}")
     rows, width = self.shape
     base = self.base
-    if base.op is _CAST and base.realized is None and self.st.contiguous and self.size == base.size and \
+    if base.op is _CAST and base.realized is None and self.reads_whole_base and \
        base.srcs[0].dtype.is_float and base.dtype.is_float and base.srcs[0].dtype.itemsize < base.dtype.itemsize:
       # a widening float cast is exact, so it commutes with the pick: the narrow values are the table (bfloat16
       # logits under autocast: stored as they are, not copied into a float32 table) and the picked rows are widened
@@ -616,7 +629,7 @@ class LazyBuffer:
     (`Tensor.zeros`, `full`) is memory only once written (`_write_constant`). docs/reliability.md has the rules."""
     base = self.base
     if base.op is _CONST: return self._write_constant(value)
-    whole = self is base or (self.st.contiguous and self.size == base.size)
+    whole = self.reads_whole_base
     if whole:
       full = value.reshape(base.shape)
     else:

@@ -189,6 +189,16 @@ class LazyOp:
   def leaves(self) -> list[LazyOp]:
     return [node for node in self.walk() if node.op in (Ops.LOAD, Ops.CONST)]
 
+  def renumbered(self, number: Callable[[int], int]) -> LazyOp:
+    """This AST with each MemBuffer's index mapped by `number` (a function of the old index): the kernel's part of a
+    schedule item merged with another reads its buffers in the merged item's order."""
+    rebuilt: dict[int, LazyOp] = {}
+    for node in self.walk():   # sources before the nodes that read them
+      arg = node.arg
+      if isinstance(arg, MemBuffer): arg = MemBuffer(number(arg.idx), arg.dtype, arg.st)
+      rebuilt[id(node)] = LazyOp(node.op, tuple(rebuilt[id(src)] for src in node.srcs), arg, node.dtype)
+    return rebuilt[id(self)]
+
   def stores(self) -> list[LazyOp]:
     """The STOREs of a kernel AST: itself, or the sources of a SINK (a kernel with several outputs)."""
     return list(self.srcs) if self.op is Ops.SINK else [self]

@@ -273,7 +273,7 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
     # a contiguous view of the whole base (the base or a reshape of it) reads the base's memory as it is: no copy;
     # nor one contiguous run of a stored base (a slice, the fused attention's O): a view of its memory
     run = None
-    if not (lazy.st.contiguous and lazy.size == lazy.base.size):
+    if not lazy.reads_whole_base:
       run = engine_realize.stored_run(lazy)
       if run is None: lazy = lazy.contiguous()
     if lazy.base.realized is None: Tensor(lazy).realize()
@@ -675,7 +675,7 @@ def _rebase_viewed_tensor(view: Tensor, viewed_from: F.Function | None, target: 
     lazy = lazy.current()
     if lazy.base is not view.lazydata.base: break
     chain.append(parent)
-    if lazy.is_base or (lazy.st.contiguous and lazy.size == lazy.base.size): root = parent
+    if lazy.reads_whole_base: root = parent
     ctx = parent_ctx
   if root is None or (root._ctx is None and root.requires_grad): return   # a parameter: the write is data only
   rebased = F.WriteThroughView.apply(root, view, st=target.st)

@@ -1,10 +1,10 @@
 """Run the fused attention forward kernel's CUDA source on the CPU: a test harness, not a device.
 
-The same model as test/attention_backward_host.py (whose prelude and `mma` it reuses): the source of
-codegen/attention.py is compiled with g++ after a prelude that defines CUDA's keywords away and gives each CUDA thread
-of a block a host thread (barriers for __syncthreads/__syncwarp, shuffles through per-warp slots). The kernel's PTX
-helpers (`kernel_helpers`) are replaced by host versions: mma gathers the warp's fragments by the maps of
-codegen/tensor_cores.py, ldmatrix (and .trans) hands each lane its elements of the 8x8 matrices the lanes' row
+The same model as test/attention_backward_host.py (whose prelude and `mma` it reuses): the source
+codegen/attention_render.py writes is compiled with g++ after a prelude that defines CUDA's keywords away and gives
+each CUDA thread of a block a host thread (barriers for __syncthreads/__syncwarp, shuffles through per-warp slots).
+The kernel's PTX helpers (`kernel_helpers`) are replaced by host versions: mma gathers the warp's fragments by the
+maps of codegen/tensor_cores.py, ldmatrix (and .trans) hands each lane its elements of the 8x8 matrices the lanes' row
 addresses name, cvt rounds as the hardware does, cp.async copies at once. So the kernel's own index math, masks,
 tiles, fragment loads and stores run as written: a wrong lane mapping gives wrong numbers here as on the GPU.
 """
@@ -18,7 +18,8 @@ import numpy as np
 
 from attention_backward_host import (HOST_CONVERSIONS, PACKED_OPERANDS, PRELUDE, host_compiler, host_main, host_mma,
                                      wgmma_host_helpers)
-from ourgrad.codegen.attention import AttentionPlan, render_attention
+from ourgrad.codegen.attention import AttentionPlan
+from ourgrad.codegen.attention_render import render_attention
 from ourgrad.codegen.attention_helpers import POLY_EXP2_HELPER
 
 FORWARD_PRELUDE = r"""

@@ -16,8 +16,8 @@ import torch
 
 from ourgrad import Tensor
 from ourgrad.codegen import attention_wgmma
-from ourgrad.codegen.attention import (AttentionKernel, Operand, blocks_text, is_attention, plan_attention,
-                                      render_attention)
+from ourgrad.codegen.attention import AttentionKernel, Operand, blocks_text, is_attention, plan_attention
+from ourgrad.codegen.attention_render import render_attention
 from ourgrad.codegen.attention_wgmma import (key_slice_start, key_strides, staged_offset, value_slice_start,
                                              value_strides)
 from ourgrad.codegen.wgmma_tiles import descriptor

@@ -21,7 +21,8 @@ import torch
 
 import ourgrad
 from ourgrad import Tensor
-from ourgrad.codegen.attention import Operand, plan_attention, render_attention
+from ourgrad.codegen.attention import Operand, plan_attention
+from ourgrad.codegen.attention_render import render_attention
 from ourgrad.dtype import dtypes
 from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import create_schedule

@@ -2,7 +2,7 @@
 
 - a TinyJit output that is one contiguous run of a buffer the capture writes (the fused attention's O beside its
   logsumexp, each gradient in the backward's one buffer, any slice of a leading axis) is returned as a view of that
-  buffer, not copied (engine/jit.py `_output_range`);
+  buffer, not copied (LazyBuffer.fixed_base_range);
 - a lossless cast round trip x.cast(wider).cast(x.dtype) is x (lazy_value.py): folded in the lazy graph where x is
   a computation, dropped inside kernels where x is stored, and read in place by the attention ops (dO =
   g.cast(float32).cast(bfloat16) is g's memory);

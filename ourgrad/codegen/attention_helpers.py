@@ -1,7 +1,7 @@
-"""The device functions of the fused attention forward kernel (codegen/attention.py), written with PTX: mma.sync and
-the operand conversions it needs, exp2 on MUFU (and, plan.exp_poly, by a cubic on the FMA pipe), ldmatrix loads,
-cp.async copies, and the wgmma kernel's (codegen/attention_wgmma.py). test/attention_forward_host.py swaps them for
-host versions to run the kernel on a CPU."""
+"""The device functions of the fused attention forward kernel (codegen/attention_render.py), written with PTX:
+mma.sync and the operand conversions it needs, exp2 on MUFU (and, plan.exp_poly, by a cubic on the FMA pipe),
+ldmatrix loads, cp.async copies, and the wgmma kernel's (codegen/attention_wgmma.py). test/attention_forward_host.py
+swaps them for host versions to run the kernel on a CPU."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -1,5 +1,5 @@
 """The fused attention forward on Hopper's warpgroup MMA (wgmma, sm_90a) for float16/bfloat16 operands: the parts of
-codegen/attention.py's kernel that differ when its plan says `mma="wgmma"`.
+codegen/attention_render.py's kernel that differ when its plan says `mma="wgmma"`.
 
 A CTA is block_m / 64 warpgroups, each owning 64 query rows (warp w of the CTA: rows 16 w.., as the mma.sync kernel's
 warps). Per key tile (block_n keys):

@@ -35,7 +35,7 @@ def realized_pointer(buffer: LazyBuffer) -> int:
   """The device address of `buffer`'s values, realizing them first (contiguous)."""
   from ourgrad.engine.realize import run_schedule
   from ourgrad.engine.schedule_cache import schedule
-  lazy = buffer if buffer.st.contiguous and buffer.size == buffer.base.size else buffer.contiguous()
+  lazy = buffer if buffer.reads_whole_base else buffer.contiguous()
   if lazy.base.realized is None:
     lazy.base.forced_realize = True
     run_schedule(schedule([lazy]))

@@ -223,7 +223,7 @@ def _is_buffer_backed(tensor: Tensor) -> bool:
   """Whether the tensor reads a realized buffer in row-major order from its first element (the base itself or a
   reshape of it): then that buffer is the input a replay swaps."""
   lazy = tensor.lazydata
-  return lazy.base.realized is not None and lazy.st.contiguous and lazy.size == lazy.base.size
+  return lazy.base.realized is not None and lazy.reads_whole_base
 
 
 def _prepare_inputs(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -254,25 +254,16 @@ def _check_distinct(paths: list[str], buffers: list[Buffer]) -> None:
     seen[id(buffer)] = path
 
 
-def _output_range(lazy: LazyBuffer) -> tuple[int, int] | None:
-  """(first element, element count) of the base's memory that an output reads in row-major order, when that is one
-  contiguous run of a base with fixed sizes (the base, a reshape of it, a slice of its leading axis, a part of a
-  kernel's output buffer such as the fused attention's O or one of its gradients); None otherwise."""
-  if any(isinstance(size, Node) for size in (*lazy.shape, *lazy.base.shape)): return None
-  run = lazy.base_range()
-  return run if run is not None and isinstance(run[0], int) else None
-
-
 def _contiguous_outputs(value: Any, path: str, outputs: list[Tensor]) -> Any:
   """`value` (a function's result) with each Tensor that is a view made contiguous, except a view of one contiguous
-  run of its base (`_output_range`): a replay returns that as the same view of the buffer, no copy kernel. Appends
-  the Tensors to `outputs` in order. A module-level function, not a closure calling itself: such a closure is a
-  reference cycle (function -> cell -> function) that would keep `outputs`, and the device buffers of its Tensors,
-  alive until the cyclic collector runs."""
+  run of its base with fixed sizes (LazyBuffer.fixed_base_range: a slice of its leading axis, a part of a kernel's
+  output buffer such as the fused attention's O or one of its gradients): a replay returns that as the same view of
+  the buffer, no copy kernel. Appends the Tensors to `outputs` in order. A module-level function, not a closure
+  calling itself: such a closure is a reference cycle (function -> cell -> function) that would keep `outputs`, and
+  the device buffers of its Tensors, alive until the cyclic collector runs."""
   if isinstance(value, Tensor):
     lazy = value.lazydata
-    if not lazy.is_base and not (lazy.st.contiguous and lazy.size == lazy.base.size) and \
-        (type(lazy) is not LazyBuffer or _output_range(lazy) is None):
+    if not lazy.reads_whole_base and (type(lazy) is not LazyBuffer or lazy.fixed_base_range() is None):
       value = value.contiguous()
     outputs.append(value)
     return value
@@ -306,7 +297,7 @@ def _finish_call(result: Any, capturing: bool = False) -> tuple[Any, list[Tensor
     for tensor, lazy in previous.values():
       old_buffer = lazy.base.realized
       if old_buffer is None or tensor.lazydata.base.realized is old_buffer: continue
-      if not (lazy.is_base or (lazy.st.contiguous and lazy.size == lazy.base.size)) or lazy.shape != tensor.shape:
+      if not lazy.reads_whole_base or lazy.shape != tensor.shape:
         raise JitError(f"a jitted function assigned to a view {lazy.shape} of a buffer it cannot write in place; "
                        f"assign to a realized tensor of its own (e.g. make it with .contiguous().realize())")
       write_backs.append(Tensor(LazyBuffer.from_buffer(old_buffer, lazy.base.shape)).reshape(tensor.shape)
@@ -489,9 +480,9 @@ class CapturedJit:
 
 
 def _part_range(lazy: LazyBuffer) -> tuple[int, int] | None:
-  """The run of its base's buffer that an output reads when it is not all of it (`_output_range`), else None."""
-  if type(lazy) is not LazyBuffer or lazy.is_base or (lazy.st.contiguous and lazy.size == lazy.base.size): return None
-  return _output_range(lazy)
+  """The run of its base's buffer that an output reads when it is not all of it (`_contiguous_outputs`), else None."""
+  if type(lazy) is not LazyBuffer or lazy.reads_whole_base: return None
+  return lazy.fixed_base_range()
 
 
 def _written(items: list[ExecItem]) -> set[int]:

@@ -447,7 +447,6 @@ def stored_run(lazy: LazyBuffer) -> tuple[int, int] | None:
   with no kernel copying it out first (Tensor.numpy() of a slice, of the fused attention's O). None for anything
   else: a strided view, or a base still to compute, whose contiguous copy computes only the elements read."""
   base = lazy.base
-  if lazy.is_base or lazy.st.symbolic or not Device[lazy.device].allocator.views_memory: return None
+  if lazy.is_base or not Device[lazy.device].allocator.views_memory: return None
   if base.realized is None and base.op not in ALWAYS_REALIZED_OPS: return None
-  run = lazy.base_range()
-  return run if run is not None and all(isinstance(value, int) for value in run) else None
+  return lazy.fixed_base_range()

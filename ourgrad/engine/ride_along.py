@@ -23,11 +23,12 @@ import warnings
 from ourgrad.codegen.attention import is_attention
 from ourgrad.codegen.attention_grad import is_attention_grad
 from ourgrad.codegen.index_accumulate import is_index_accumulate
+from ourgrad.codegen.lowering import ast_is_symbolic
 from ourgrad.codegen.ride_along import RideAlongKernel, rider_bytes, rider_elements
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.helpers import DEBUG, RIDE_ALONG, RUNNER_CACHE_SIZE, BoundedCache
-from ourgrad.ops import REDUCE_OPS, ConstBuffer, LazyOp, MemBuffer, Ops
+from ourgrad.ops import REDUCE_OPS, LazyOp, Ops
 
 # a rider reduces at most this many elements: a block reads them in about one memory latency per thread's few loads
 MAX_RIDER_ELEMENTS = 1 << 16
@@ -62,7 +63,7 @@ def _is_rider(item: ScheduleItem) -> bool:
   if ast.op is not Ops.STORE or len(item.outputs) != 1 or item.outputs[0].size != 1: return False
   if not getattr(Device[item.outputs[0].device].renderer, "carries_riders", False): return False
   if not any(node.op in REDUCE_OPS for node in ast.walk()) or is_index_accumulate(ast): return False
-  if any(isinstance(node.arg, (MemBuffer, ConstBuffer)) and node.arg.st.symbolic for node in ast.walk()): return False
+  if ast_is_symbolic(ast): return False
   return rider_elements(ast) <= MAX_RIDER_ELEMENTS
 
 
@@ -72,7 +73,7 @@ def _is_host(item: ScheduleItem, rider: ScheduleItem) -> bool:
   if ast.op not in (Ops.STORE, Ops.SINK) or is_index_accumulate(ast) or is_attention(ast) or is_attention_grad(ast):
     return False
   if item.outputs[0].device != rider.outputs[0].device: return False
-  if any(isinstance(node.arg, (MemBuffer, ConstBuffer)) and node.arg.st.symbolic for node in ast.walk()): return False
+  if ast_is_symbolic(ast): return False
   moved = sum({id(buffer): buffer.nbytes for buffer in item.bufs}.values())
   latency_bytes = getattr(Device[item.outputs[0].device].renderer, "latency_bytes", 0)
   return moved >= HOST_BYTES_FACTOR * rider_bytes(rider.ast) and moved >= HOST_LATENCIES * latency_bytes
@@ -107,7 +108,8 @@ def _merged(items: list[ScheduleItem | None], host_position: int, rider_position
   # the host's buffers renumbered to the merged item's; the rider keeps its own (a Kernel's outputs are data0..)
   # with the merged number of each in the arg
   rider_arguments = tuple(position_of[id(buffer)] for buffer in rider.bufs)
-  ast = LazyOp(Ops.RIDE_ALONG, (_renumbered(host.ast, host.bufs, position_of), rider.ast), rider_arguments)
+  host_ast = host.ast.renumbered(lambda index: position_of[id(host.bufs[index])])
+  ast = LazyOp(Ops.RIDE_ALONG, (host_ast, rider.ast), rider_arguments)
   device = host.outputs[0].device
   key = (device, ast)
   if key not in _lowers: _lowers[key] = _lowers_fine(ast, device)
@@ -134,14 +136,3 @@ def _lowers_fine(ast: LazyOp, device: str) -> bool:
     warnings.warn(f"a one-value reduce stays a kernel: riding failed ({type(error).__name__}: {error})",
                   RuntimeWarning, stacklevel=2)
     return False
-
-
-def _renumbered(ast: LazyOp, buffers: tuple[Buffer, ...], position_of: dict[int, int]) -> LazyOp:
-  """`ast` with each MemBuffer's index mapped from the item's own buffers to the merged item's."""
-  rebuilt: dict[int, LazyOp] = {}
-  for node in ast.walk():   # sources before the nodes that read them
-    arg = node.arg
-    if isinstance(arg, MemBuffer): arg = MemBuffer(position_of[id(buffers[arg.idx])], arg.dtype, arg.st)
-    rebuilt[id(node)] = LazyOp(node.op, tuple(rebuilt[id(src)] for src in node.srcs), arg, node.dtype)
-  return rebuilt[id(ast)]
-

@@ -386,7 +386,7 @@ def _narrower_source(base: LazyBuffer) -> LazyBuffer:
   source = base.srcs[0]
   widening = source.dtype.is_float and base.dtype.is_float and source.dtype.itemsize < base.dtype.itemsize
   # the source may be a plain reshape of its base (a (B, T, C) activation read as (B*T, C)): the base holds its values
-  reshaped = source.st.contiguous and source.size == source.base.size
+  reshaped = source.reads_whole_base
   stored = source.base
   if not widening or not reshaped or stored.realized is not None or stored.op not in ELEMENTWISE_OPS: return base
   return stored

@@ -15,14 +15,13 @@ DEBUG=3 prints each merge and why a second stage stayed a kernel of its own.
 from __future__ import annotations
 
 import warnings
-from typing import Callable
 
 from ourgrad.codegen.index_accumulate import is_index_accumulate
 from ourgrad.codegen.last_block import SplitReduceKernel, second_stage
 from ourgrad.device import Buffer, Device
 from ourgrad.engine.schedule_item import ScheduleItem
 from ourgrad.helpers import DEBUG, RUNNER_CACHE_SIZE, SPLIT_LAST_BLOCK, BoundedCache
-from ourgrad.ops import LazyOp, MemBuffer, Ops
+from ourgrad.ops import LazyOp, Ops
 
 # merged AST -> whether its first kernel's layout lets the last block finish (a linearization each: cached)
 _fits: BoundedCache[tuple[str, LazyOp], bool] = BoundedCache(RUNNER_CACHE_SIZE)
@@ -51,8 +50,8 @@ def _fused(schedule: list[ScheduleItem], first_position: int, second_position: i
   first, second = schedule[first_position], schedule[second_position]
   reason = _why_not_fused(schedule, first_position, second_position)
   if reason is None:
-    ast = LazyOp(Ops.SPLIT_REDUCE, (_renumbered(first.ast, lambda index: index if index == 0 else index + 1),
-                                    _renumbered(second.ast, lambda index: 1 - index)), None, second.ast.dtype)
+    ast = LazyOp(Ops.SPLIT_REDUCE, (first.ast.renumbered(lambda index: index if index == 0 else index + 1),
+                                    second.ast.renumbered(lambda index: 1 - index)), None, second.ast.dtype)
     device = first.outputs[0].device
     key = (device, ast)
     if key not in _fits: _fits[key] = _layout_fits(ast, device)
@@ -93,13 +92,3 @@ def _layout_fits(ast: LazyOp, device: str) -> bool:
     warnings.warn(f"a split reduce stays two kernels: its one-kernel form failed ({type(error).__name__}: {error})",
                   RuntimeWarning, stacklevel=2)
     return False
-
-
-def _renumbered(ast: LazyOp, number: Callable[[int], int]) -> LazyOp:
-  """`ast` with each MemBuffer's index mapped by `number` (a function of the old index)."""
-  rebuilt: dict[int, LazyOp] = {}
-  for node in ast.walk():   # sources before the nodes that read them
-    arg = node.arg
-    if isinstance(arg, MemBuffer): arg = MemBuffer(number(arg.idx), arg.dtype, arg.st)
-    rebuilt[id(node)] = LazyOp(node.op, tuple(rebuilt[id(src)] for src in node.srcs), arg, node.dtype)
-  return rebuilt[id(ast)]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ourgrad.codegen.attention import AttentionPlan, render_attention
+from ourgrad.codegen.attention import AttentionPlan
+from ourgrad.codegen.attention_render import render_attention
 from ourgrad.codegen.attention_grad import AttentionGradKernel, render_attention_grad_cuda
 from ourgrad.codegen.tensor_cores import CUDA_TENSOR_CORES
 from ourgrad.codegen.uops import AxisType, UOp, UOps
@@ -172,7 +173,7 @@ class CUDARenderer(CStyleLanguage):
     return footprint.byte_count <= self.launch_bytes and footprint.op_count <= self.launch_ops
 
   def render_attention(self, name: str, plan: AttentionPlan, arguments: dict[str, int]) -> str:
-    """The fused attention kernel of `plan`, its buffers in argument order (see codegen/attention.py)."""
+    """The fused attention kernel of `plan`, its buffers in argument order (see codegen/attention_render.py)."""
     return self._with_prologue(render_attention(plan, name, arguments, DYNAMIC_SHARED_SYMBOL))
 
   def render_attention_grad(self, name: str, kernel: AttentionGradKernel) -> str:
