@@ -111,3 +111,28 @@ def test_copies_in_and_out_on_both_sides_of_the_small_copy_size(device, count):
   tensor = Tensor(source, device=device).realize()
   np.testing.assert_array_equal(tensor.numpy(), values)
   np.testing.assert_array_equal((tensor * 2).numpy(), values * 2)   # read right after the kernel was queued
+
+
+@pytest.mark.skipif("OPENCL" not in AVAILABLE, reason="needs an OpenCL device")
+def test_opencl_loads_the_program_it_just_built_instead_of_building_its_binary_again(tmp_path, monkeypatch):
+  """A kernel compiled in this process is loaded from the program its source built (PoCL: building the binary again
+  cost ~0.25 s a kernel); a binary from the disk cache is built as before; both compute the same. A program is
+  handed over once, and never into another device's context."""
+  monkeypatch.setenv("OURGRAD_CACHE_DIR", str(tmp_path))
+  from ourgrad.runtime import ops_opencl
+  device = Device["OPENCL"]
+  source = "__kernel void twice(__global float* out, __global const float* x) { int i = get_global_id(0); " \
+           f"out[i] = x[i] * 2.0f + {len(str(tmp_path))}.0f; }}"
+  binary = device.compiler.compile(source)
+  built = device.compiler.built[binary]
+  fresh = ops_opencl.OpenCLProgram(device, "twice", binary)
+  assert fresh.program is built and binary not in device.compiler.built
+  again = ops_opencl.OpenCLProgram(device, "twice", binary)   # as from the disk cache: built from the binary
+  assert again.program is not built
+  values = np.arange(8, dtype=np.float32)
+  for program in (fresh, again):
+    x, out = Tensor(values, device="OPENCL").realize(), Tensor.zeros(8, device="OPENCL").contiguous().realize()
+    program(out.lazydata.base.realized.handle, x.lazydata.base.realized.handle, global_size=(8, 1, 1), wait=True)
+    np.testing.assert_array_equal(out.numpy(), values * 2 + len(str(tmp_path)))
+  device.compiler.compile(source)
+  assert device.compiler.built_program(binary, object()) is None, "another context never gets it"

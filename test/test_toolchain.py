@@ -49,8 +49,8 @@ def _compiler(monkeypatch, march: str):
 @needs_x86_cc
 def test_clang_march_picks_the_target_width_and_cache_key(monkeypatch, fresh_cache):
   widths = {"x86-64-v2": 16, "x86-64-v3": 32, "x86-64-v4": 64}
-  # a compiler's known-answer self-test runs its target's code: AVX-512 (v4) only where this CPU runs it (on an AVX2
-  # machine it dies of SIGILL: a target the CPU cannot run is not yet a clear error, found in session 17)
+  # a compiler's known-answer self-test runs its target's code: AVX-512 (v4) only where this CPU runs it (elsewhere
+  # the compiler refuses the target: test_a_target_this_cpu_cannot_run_is_refused_before_any_code_runs)
   if not host_has_avx512(): del widths["x86-64-v4"]
   keys = set()
   for march, width in widths.items():
@@ -76,6 +76,43 @@ def test_device_renderer_width_follows_clang_march(monkeypatch):
 def test_unknown_clang_march_is_a_clear_error(monkeypatch):
   with pytest.raises(DeviceError, match="CLANG_MARCH='no-such-cpu'"):
     _compiler(monkeypatch, "no-such-cpu")
+
+
+# ---------------------------------------------------------------- a target this CPU cannot run
+
+@needs_x86_cc
+def test_clang_target_with_features_the_host_lacks_names_them(monkeypatch):
+  """Whatever CPU runs the test: with a host that reads as x86-64-v2 (SSE4.2), CLANG_MARCH=x86-64-v3 is refused with
+  a DeviceError naming the target, the AVX2-level features missing and the variable; a target the host has opens."""
+  identify = ops_clang.identify_compiler
+  monkeypatch.setattr(ops_clang, "identify_compiler",
+                      lambda compiler, march: identify(compiler, "x86-64-v2" if march == "native" else march))
+  refused = r"CLANG_MARCH='x86-64-v3'.*lacks \(.*avx2.*fma.*\).*SIGILL.*CLANG_MARCH=native"
+  with pytest.raises(DeviceError, match=refused):
+    _compiler(monkeypatch, "x86-64-v3")
+  assert _compiler(monkeypatch, "x86-64-v2").vector_bytes == 16
+
+
+@pytest.mark.skipif(not X86 or host_has_avx512(), reason="needs an x86 CPU without AVX-512")
+def test_a_target_this_cpu_cannot_run_is_refused_before_any_code_runs(tmp_path):
+  """CLANG_MARCH / LLVM_CPU=x86-64-v4 on a CPU without AVX-512: the device does not open (a DeviceError naming the
+  target, avx512f and the variable) instead of the known-answer self-test dying of SIGILL (an illegal instruction
+  killed the process, and with it a pytest worker). A fresh process: a regression crashes it, not this one."""
+  devices = {"CLANG": "CLANG_MARCH", "LLVM": "LLVM_CPU"}
+  if ops_clang is None: del devices["CLANG"]
+  if ops_llvm is None: del devices["LLVM"]
+  script = (f"from ourgrad import Tensor\nfor device in {list(devices)}:\n  try:\n"
+            f"    Tensor([1.0, 2.0], device=device).sum().item()\n  except Exception as error:\n"
+            f"    print(device, type(error).__name__, error)")
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **{variable: "x86-64-v4" for variable in devices.values()},
+                               "PYTHONPATH": REPO, "OURGRAD_CACHE_DIR": str(tmp_path)})
+  assert result.returncode == 0, f"exit status {result.returncode} (-4: SIGILL)\n{result.stderr}"
+  lines = result.stdout.splitlines()
+  assert len(lines) == len(devices), result.stdout
+  for line, (device, variable) in zip(lines, devices.items()):
+    assert line.startswith(f"{device} DeviceError {variable}='x86-64-v4'"), line
+    assert "avx512f" in line and "SIGILL" in line, line
 
 
 # ---------------------------------------------------------------- the miscompiled patterns, at each target
@@ -231,6 +268,23 @@ def test_llvm_unknown_cpu_is_a_clear_error(monkeypatch):
   monkeypatch.setenv("LLVM_CPU", "no-such-cpu")
   with pytest.raises(DeviceError, match="LLVM_CPU='no-such-cpu'"):
     ops_llvm.LLVMCompiler()
+
+
+@needs_x86_llvm
+def test_llvm_features_the_host_lacks_are_named(monkeypatch):
+  """LLVM_FEATURES turning on a feature this CPU lacks (the first of these it lacks) is refused by name; x86-64-v4
+  with AVX-512 turned off is a target an AVX2 CPU runs."""
+  host = ops_llvm.llvm.get_host_cpu_features()
+  lacking = [feature for feature in ("avx512f", "xop", "sse4a", "avx512fp16", "amx-tile")
+             if not host.get(feature, True)]
+  if not lacking: pytest.skip("this CPU has every feature tried")
+  monkeypatch.setenv("LLVM_FEATURES", f"+{lacking[0]}")
+  with pytest.raises(DeviceError, match=rf"LLVM_FEATURES='\+{lacking[0]}'.*lacks \({lacking[0]}\).*LLVM_CPU=native"):
+    ops_llvm.LLVMCompiler()
+  if host.get("avx2"):
+    monkeypatch.setenv("LLVM_CPU", "x86-64-v4")
+    monkeypatch.setenv("LLVM_FEATURES", "-avx512f")
+    assert ops_llvm.LLVMCompiler().vector_bytes == 32
 
 
 @needs_x86_llvm

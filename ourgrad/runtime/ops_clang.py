@@ -159,6 +159,27 @@ def identify_compiler(compiler: str, march: str) -> CompilerIdentity:
   return CompilerIdentity(family, major, version, "\n".join(sorted(probe.stdout.splitlines())))
 
 
+# a CPU feature as the compilers predefine it for the target: `#define __AVX512F__ 1` (the -march's own names,
+# `__znver3`, `__tune_znver3__`, `__k8`, are lower case; sizes such as __BIGGEST_ALIGNMENT__ have other values)
+_FEATURE_MACRO = re.compile(r"^#define __([A-Z][A-Z0-9_]*?)__ 1$", re.MULTILINE)
+
+
+def target_features(identity: CompilerIdentity) -> set[str]:
+  """The CPU features code built for this target may use, in /proc/cpuinfo's spelling ("avx512f", "sse4_2")."""
+  return {name.lower() for name in _FEATURE_MACRO.findall(identity.target_macros)}
+
+
+def features_host_lacks(compiler: str, march: str, identity: CompilerIdentity) -> list[str]:
+  """The CPU features the target `march` (its `identity`) uses and this CPU (-march=native) lacks: code built for it
+  dies of SIGILL here. Empty for native, and where the compiler cannot say what native is."""
+  if march == "native": return []
+  try:
+    host = identify_compiler(compiler, "native")
+  except DeviceError:   # no -march=native for this compiler and architecture: nothing to compare with
+    return []
+  return sorted(target_features(identity) - target_features(host))
+
+
 def rules_for(identity: CompilerIdentity) -> list[FlagRule]:
   """The FLAG_RULES entries for this compiler's family and version."""
   return [rule for rule in FLAG_RULES
@@ -187,6 +208,8 @@ class ClangCompiler(Compiler):
     self.compiler = find_c_compiler()
     self.march = CLANG_MARCH.value or "native"
     self.identity = identify_compiler(self.compiler, self.march)
+    toolchain_check.refuse_target_host_cannot_run(f"CLANG_MARCH={self.march!r}", "CLANG_MARCH",
+                                                  features_host_lacks(self.compiler, self.march, self.identity))
     self.rules = [rule for rule in rules_for(self.identity)
                   if not rule.optional or accepted_flags(self.compiler, list(rule.flags)) == list(rule.flags)]
     # the flags every kernel gets; flags_for adds and removes per kernel

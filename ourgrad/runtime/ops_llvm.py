@@ -62,6 +62,11 @@ class TargetChoice:
   features: str
 
   @staticmethod
+  def native() -> "TargetChoice":
+    """This CPU with all its features (what LLVM_CPU=native gives without LLVM_FEATURES)."""
+    return TargetChoice(llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten())
+
+  @staticmethod
   def from_env() -> "TargetChoice":
     cpu = LLVM_CPU.value or "native"
     own = llvm.get_host_cpu_features().flatten() if cpu == "native" else ""
@@ -118,6 +123,24 @@ def target_vector_bytes(machine: llvm.TargetMachine) -> int:
   return 16
 
 
+# the x86 feature that first gives each SIMD register width the width probe sees (zmm: AVX-512F, ymm: AVX)
+_WIDTH_FEATURES = {64: "avx512f", 32: "avx"}
+
+
+def features_host_lacks(choice: TargetChoice, vector_bytes: int) -> list[str]:
+  """CPU features the target uses and this CPU lacks (code built for it dies of SIGILL here): those LLVM_FEATURES
+  turns on ("+avx512f"), and the one giving the target's SIMD width where it is wider than this CPU's (llvmlite
+  cannot list a named CPU's features; its widest registers are what the vectorizers use first). Empty for native."""
+  if choice == TargetChoice.native(): return []
+  host = llvm.get_host_cpu_features()
+  missing = {feature[1:] for feature in choice.features.split(",")
+             if feature.startswith("+") and feature[1:] in host and not host[feature[1:]]}
+  host_machine = TargetChoice.native().target_machine()
+  with _LLVM_LOCK: host_bytes = target_vector_bytes(host_machine)
+  if vector_bytes > host_bytes: missing.add(_WIDTH_FEATURES.get(vector_bytes, f"{vector_bytes}-byte vectors"))
+  return sorted(missing)
+
+
 class LLVMCompiler(Compiler):
   """LLVM IR text -> verified, O2-optimized module -> object file bytes for the target (LLVM_CPU, LLVM_FEATURES),
   checked by the known-answer self-test (runtime/toolchain_check.py) before the first kernel compiles: on a wrong
@@ -127,6 +150,10 @@ class LLVMCompiler(Compiler):
     self.target = TargetChoice.from_env()
     self.target_machine = checked_target_machine(self.target)
     with _LLVM_LOCK: self.vector_bytes = target_vector_bytes(self.target_machine)
+    setting = f"LLVM_CPU={self.target.cpu!r}" + (f" with LLVM_FEATURES={LLVM_FEATURES.value!r}"
+                                                 if LLVM_FEATURES.value else "")
+    toolchain_check.refuse_target_host_cannot_run(setting, "LLVM_CPU",
+                                                  features_host_lacks(self.target, self.vector_bytes))
     self.safe = False   # True after the self-test: the loop and SLP vectorizers off
     self._verified = False
     self._verify_lock = threading.Lock()

@@ -63,10 +63,18 @@ class OpenCLAllocator(LRUAllocator):
     cl.enqueue_copy(self.queue, np.frombuffer(dest, dtype=np.uint8), src, is_blocking=True)
 
 
+# programs built from source in this process and not loaded yet, at most this many (a compile whose binary is never
+# loaded, a BEAM candidate that lost, is dropped oldest first)
+MAX_BUILT_PROGRAMS = 16
+
+
 class OpenCLCompiler(Compiler):
   def __init__(self, context: Any, device: Any):
     self.context = context
     self.cache_key = f"opencl {device.platform.name} {device.name} {device.driver_version}"
+    # {binary: the program built from source that gave it}: loading a binary this process just compiled takes that
+    # program instead of building the binary again (PoCL: ~0.25 s a kernel, a fifth of a new kernel's cost)
+    self.built: dict[bytes, Any] = {}
 
   def compile(self, source: str) -> bytes:
     program = cl.Program(self.context, source)
@@ -76,7 +84,15 @@ class OpenCLCompiler(Compiler):
         program.build()
     except cl.RuntimeError as error:
       raise CompileError(f"OpenCL build failed for this kernel:\n{source}\n--- build log ---\n{error}") from None
-    return program.get_info(cl.program_info.BINARIES)[0]
+    binary = program.get_info(cl.program_info.BINARIES)[0]
+    if len(self.built) >= MAX_BUILT_PROGRAMS: del self.built[next(iter(self.built))]
+    self.built[binary] = program
+    return binary
+
+  def built_program(self, binary: bytes, context: Any) -> Any:
+    """The program built from source that gave `binary` in this process (handed over once), else None; only into
+    its own context (OPENCL:1 shares OPENCL's compiler, not its context)."""
+    return self.built.pop(binary, None) if context == self.context else None
 
   def disassemble(self, source: str) -> str:
     """The driver's program binary when it is text (NVIDIA's is PTX); PoCL and most others give an opaque one."""
@@ -97,9 +113,11 @@ def describe_program_binary(binary: bytes) -> str:
 class OpenCLProgram:
   def __init__(self, device: "OpenCLDevice", name: str, binary: bytes):
     self.device, self.name = device, name
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore", cl.CompilerWarning)
-      self.program = cl.Program(device.context, [device.cl_device], [binary]).build()
+    self.program = device.compiler.built_program(binary, device.context)
+    if self.program is None:   # from the disk cache (or compiled in another process): build the binary
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cl.CompilerWarning)
+        self.program = cl.Program(device.context, [device.cl_device], [binary]).build()
     self.kernel = getattr(self.program, name)
 
   def __call__(self, *buffers: Any, global_size: tuple[int, ...] = (1, 1, 1), local_size: tuple[int, ...] = (1, 1, 1),

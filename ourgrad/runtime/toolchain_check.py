@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from ourgrad.device import write_atomic
+from ourgrad.errors import DeviceError
 from ourgrad.helpers import DISABLE_COMPILER_CACHE, cache_dir
 
 # bumped when the kernels or their answers change: verdicts cached under an older set are not trusted
@@ -287,6 +288,17 @@ def run_with_safe_fallback(known_answers: Sequence[KnownAnswer],
   finally:
     set_safe(False)
   return ("broken", still_wrong) if still_wrong else ("safe", wrong)
+
+
+def refuse_target_host_cannot_run(setting: str, variable: str, missing: list[str]) -> None:
+  """A DeviceError naming the target (`setting`, e.g. "CLANG_MARCH='x86-64-v4'"), the CPU features this CPU lacks
+  and the variable to change, where `missing` is not empty. Checked when the compiler is made, before this
+  self-test, the first code built for the target, runs: an illegal instruction (SIGILL) kills the process with no
+  Python error (a crashed pytest worker), and a verdict cached on another machine would let the kernels run."""
+  if not missing: return
+  raise DeviceError(f"{setting} builds code for CPU features this CPU lacks ({', '.join(missing)}): it would die of "
+                    f"SIGILL (illegal instruction). Use a target this CPU runs ({variable}=native, or a lower level "
+                    f"such as x86-64-v3), or a CPU with these features")
 
 
 # ---------------------------------------------------------------- the cached verdict
