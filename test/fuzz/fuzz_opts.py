@@ -163,8 +163,9 @@ def make_check(devices: list[str], variants: int) -> Check:
 
 # ---------------------------------------------------------------- pytest and command line
 
-# (cases, optimized variants per kernel: the hand-coded one plus random ones) per test
-BUDGET = {"CLANG": (16, 3), "OPENCL": (5, 3), "LLVM": (40, 4), "PYTHON": (100, 4)}
+# (cases, optimized variants per kernel: the hand-coded one plus random ones) per test; OPENCL's PoCL compiles
+# ~1 s a kernel, so it runs few (the PYTHON device covers LOCAL and GROUP at length)
+BUDGET = {"CLANG": (16, 3), "OPENCL": (2, 3), "LLVM": (40, 4), "PYTHON": (100, 4)}
 
 
 @pytest.mark.parametrize("device", ALL_DEVICES)

@@ -248,8 +248,9 @@ def default_device() -> str:
   return Device.DEFAULT
 
 
-# CI budget: programs per test run (CLANG compiles each kernel with the C compiler; PYTHON interprets)
-CASES = {"CLANG": 150, "PYTHON": 80}
+# CI budget: programs per test run (CLANG compiles each kernel with the C compiler, ~0.3 CPU-s a program; PYTHON
+# interprets); FUZZ_SCALE=3 runs 150 a seed, as CI did before session 18
+CASES = {"CLANG": 50, "PYTHON": 80}
 # constructs of bugs still open (torchprograms.AVOIDABLE; the bugs are in KNOWN_BUGS): CI does not generate them,
 # so that it fails on new bugs only. Add a name while its bug is open, take it out when the bug is fixed. Every bug
 # of KNOWN_BUGS is fixed on main (d8e276f): CI generates everything.

@@ -7,7 +7,8 @@ every machine and Python version). Cases do not depend on each other, so
     python test/fuzz/fuzz_x.py --seed S --iterations N     runs cases 0..N-1 of seed S, exactly as pytest did
     python test/fuzz/fuzz_x.py --seed S --case I           replays the one failing case I, printing what it built
 
-Under pytest each fuzzer runs a few fixed seeds plus one random seed; set FUZZ_SEED=S to choose that seed. The
+Under pytest each fuzzer runs a few fixed seeds plus one random seed; set FUZZ_SEED=S to choose that seed, and
+FUZZ_SCALE=K to run K times each test's number of cases (CI's budget is the default, 1). The
 seed is printed in the test output and is part of every failure message, with the command that replays it.
 """
 from __future__ import annotations
@@ -98,9 +99,16 @@ def _failure_message(case: Case, error: Exception) -> str:
           f"replay: {case.replay}\n--- the case ---\n{notes}\n--- error ---\n{trace}")
 
 
+def scaled_iterations(iterations: int) -> int:
+  """A test's number of cases times FUZZ_SCALE (default 1: CI's budget), at least one."""
+  return max(1, round(iterations * float(os.environ.get("FUZZ_SCALE", "") or 1)))
+
+
 def run_for_pytest(fuzzer: str, check: Check, seed: int, iterations: int, replay_args: str = "") -> Counter[str]:
   """The pytest entry point: print the seed first (pytest shows it with the failure), then run. `replay_args` are
-  the command-line options that make the script run exactly this test's cases (e.g. " --devices PYTHON")."""
+  the command-line options that make the script run exactly this test's cases (e.g. " --devices PYTHON").
+  `iterations` is CI's budget, scaled by FUZZ_SCALE."""
+  iterations = scaled_iterations(iterations)
   print(f"{fuzzer}: seed {seed}, {iterations} cases; replay: python test/fuzz/{fuzzer}.py --seed {seed} "
         f"--iterations {iterations}{replay_args} (or FUZZ_SEED={seed} for the random-seed tests)")
   outcomes = run_cases(fuzzer, check, seed, iterations, replay_args=replay_args)
