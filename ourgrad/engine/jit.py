@@ -113,6 +113,7 @@ class TinyJit(Generic[ReturnType]):
       return self.fn(*args, **kwargs)
     arguments = self._arguments(args, kwargs)
     tensors, statics = _split_arguments(arguments)
+    _check_single_device(self.fn.__name__, tensors)
     statics, var_vals = _symbolic_values(statics, tensors)
     input_tensors = _prepare_inputs(tensors)
     if captured is not None: input_tensors = captured.unshare_outputs(input_tensors)
@@ -217,6 +218,15 @@ def _split_arguments(arguments: dict[str, Any]) -> tuple[dict[str, Tensor], dict
     else:
       statics[path] = value
   return tensors, statics
+
+
+def _check_single_device(name: str, tensors: dict[str, Tensor]) -> None:
+  """A replay swaps each input's one buffer: an input sharded over several devices (a MultiLazyBuffer) has one per
+  device, which the capture does not record, so it is refused by name rather than failing inside the capture."""
+  for path, tensor in tensors.items():
+    if not isinstance(tensor.lazydata, LazyBuffer):
+      raise JitError(f"{name}: input {path} is sharded over {tensor.device} (a {type(tensor.lazydata).__name__}); "
+                     f"TinyJit captures single-device inputs only (JIT=0 runs the function eagerly)")
 
 
 def _is_buffer_backed(tensor: Tensor) -> bool:
