@@ -63,18 +63,19 @@ def short_reduce_loops(uops: list[UOp]) -> set[int]:
   """Ids of the constant-trip REDUCE loops of at most SHORT_LOOP_UNROLL iterations whose bodies are straight-line code
   (no loop, barrier, tensor-core or copy UOp inside) of at most SHORT_LOOP_UOPS UOps unrolled."""
   chosen: set[int] = set()
-  open_loops: list[tuple[UOp, int, bool]] = []   # (loop, its first body index, still a candidate)
+  # (loop, its first body index, its trip count while it is still a candidate, else 0)
+  open_loops: list[tuple[UOp, int, int]] = []
   for index, uop in enumerate(uops):
     if uop.op in _NOT_UNROLLED_INSIDE and open_loops:
-      open_loops = [(loop, start, False) for loop, start, _ in open_loops]
+      open_loops = [(loop, start, 0) for loop, start, _ in open_loops]
     if uop.op is UOps.RANGE:
       start, end = uop.srcs
       trip = end.arg - start.arg if start.op is UOps.CONST and end.op is UOps.CONST else 0
-      open_loops.append((uop, index + 1, uop.arg[1] is AxisType.REDUCE and 2 <= trip <= SHORT_LOOP_UNROLL))
+      short = uop.arg[1] is AxisType.REDUCE and 2 <= trip <= SHORT_LOOP_UNROLL
+      open_loops.append((uop, index + 1, trip if short else 0))
     elif uop.op is UOps.ENDRANGE and open_loops and open_loops[-1][0] is uop.srcs[0]:
-      loop, start, candidate = open_loops.pop()
-      trip = loop.srcs[1].arg - loop.srcs[0].arg if candidate else 0
-      if candidate and trip * (index - start) <= SHORT_LOOP_UOPS: chosen.add(id(loop))
+      loop, start, trip = open_loops.pop()
+      if trip and trip * (index - start) <= SHORT_LOOP_UOPS: chosen.add(id(loop))
   return chosen
 
 
