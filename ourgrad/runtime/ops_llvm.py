@@ -132,11 +132,12 @@ def features_host_lacks(choice: TargetChoice, vector_bytes: int) -> list[str]:
   """CPU features the target uses and this CPU lacks (code built for it dies of SIGILL here): those LLVM_FEATURES
   turns on ("+avx512f"), and the one giving the target's SIMD width where it is wider than this CPU's (llvmlite
   cannot list a named CPU's features; its widest registers are what the vectorizers use first). Empty for native."""
-  if choice == TargetChoice.native(): return []
+  native = TargetChoice.native()
+  if choice == native: return []
   host = llvm.get_host_cpu_features()
   missing = {feature[1:] for feature in choice.features.split(",")
              if feature.startswith("+") and feature[1:] in host and not host[feature[1:]]}
-  host_machine = TargetChoice.native().target_machine()
+  host_machine = native.target_machine()
   with _LLVM_LOCK: host_bytes = target_vector_bytes(host_machine)
   if vector_bytes > host_bytes: missing.add(_WIDTH_FEATURES.get(vector_bytes, f"{vector_bytes}-byte vectors"))
   return sorted(missing)
