@@ -27,8 +27,8 @@ from ourgrad.device import Buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.engine.schedule_item import LoweringMemo
-from ourgrad.helpers import (GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, RIDE_ALONG, SPLIT_LAST_BLOCK,
-                             EnvSnapshot, env_var, register_cache_clearer, tf32_allowed)
+from ourgrad.helpers import (ELEMENT_REDUCES, GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, RIDE_ALONG,
+                             ROW_KERNELS, SPLIT_LAST_BLOCK, EnvSnapshot, env_var, register_cache_clearer, tf32_allowed)
 from ourgrad.lazy import LazyBuffer
 from ourgrad.ops import Ops
 
@@ -39,7 +39,7 @@ CACHE_SIZE = 64  # graphs remembered (least recently used dropped first)
 # read at every realize: whether the cache is used (SCHEDULE_CACHE, GRAPH) and the trace (SCHEDULE_TRACE), then the
 # settings the scheduler's decisions depend on, which may change at run time (part of the key)
 _SETTINGS = EnvSnapshot(SCHEDULE_CACHE, SCHEDULE_TRACE, GRAPH, KERNEL_OPS_LIMIT, PACK_KERNELS, MAX_PACK_BUFFERS,
-                        SPLIT_LAST_BLOCK, RIDE_ALONG)
+                        SPLIT_LAST_BLOCK, RIDE_ALONG, ROW_KERNELS, ELEMENT_REDUCES)
 
 
 @dataclass
