@@ -102,6 +102,13 @@ def test_openmp_region_runs_on_a_team_of_two():
   assert list(team) == [2, 102]   # the first iteration on thread 0, the last on thread 1, both of a team of 2
 
 
+def test_kernel_needs_no_library_of_its_own():
+  """The object is linked alone: its shared object names no library (the C runtime library names them)."""
+  compiler = _compiler()
+  library = compiler._build(OPENMP_KERNEL, compiler.flags_for(OPENMP_KERNEL))
+  assert not any(name in library for name in (b"libgomp.so", b"libomp.so", b"libm.so", b"libc.so"))
+
+
 def test_many_arguments():
   rng = np.random.default_rng(1)
   inputs = [rng.standard_normal(5).astype(np.float32) for _ in range(ARGUMENTS)]
