@@ -3,13 +3,14 @@
 Kernels run synchronously on the calling thread. The compiler is `CC` if set, else clang, else gcc; the target is
 `-march=$CLANG_MARCH` (default native). The flags come from FLAG_RULES (per compiler family and version, each entry
 the workaround of a known miscompile), and a known-answer self-test (runtime/toolchain_check.py) checks them before
-the first kernel compiles (docs/backends.md, the C compiler's flags).
+the first kernel compiles (docs/backends.md, the C compiler's flags). Each kernel is compiled to an object file and
+linked without the C runtime's libraries, whose symbols resolve when it loads (runtime/host_link.py).
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
+import pathlib
 import platform
 import re
 import shutil
@@ -23,9 +24,10 @@ from typing import Callable, Sequence
 
 from ourgrad.device import Compiled, Compiler, HostAllocator, HostProgram, host_l2_cache_bytes
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import CC, CLANG_MARCH, COMPILE_TIMEOUT
+from ourgrad.helpers import CC, CLANG_MARCH, COMPILE_TIMEOUT, cache_dir
 from ourgrad.renderer.cstyle import INDEX_MATH_ONLY, ClangRenderer
 from ourgrad.runtime import toolchain_check
+from ourgrad.runtime.host_link import RUNTIME_LINK_FLAGS, RUNTIME_SOURCE, KernelLinker, ensure_c_runtime, load_library
 from ourgrad.runtime.openmp import configure_wait_policy
 
 # -fopenmp: large kernels run their outer loops on all cores (OMP_NUM_THREADS limits the threads)
@@ -53,6 +55,8 @@ LARGE_KERNEL_LINES = 2500
 # 4: the FLAG_RULES table, -fno-tree-slp-vectorize for gcc 12's integer reduces, the safe flags, 5: -fno-trapping-math,
 # 6: no VNNI for gcc 12's integer reduces, 7: -Werror=implicit-function-declaration)
 FLAGS_FOR_VERSION = 7
+# bumped when the shared objects' build changes (2: linked alone, their C runtime symbols resolved at load)
+BUILD_VERSION = 2
 
 
 def find_c_compiler() -> str:
@@ -214,6 +218,7 @@ class ClangCompiler(Compiler):
                   if not rule.optional or accepted_flags(self.compiler, list(rule.flags)) == list(rule.flags)]
     # the flags every kernel gets; flags_for adds and removes per kernel
     self.flags = BASE_FLAGS + [f"-march={self.march}"]
+    self.linker = KernelLinker(self.compiler)
     self.safe = False              # True after the self-test found a wrong answer that SAFE_FLAGS corrected
     self._verified = False
     self._verify_lock = threading.Lock()
@@ -232,7 +237,7 @@ class ClangCompiler(Compiler):
     rules = "; ".join(" ".join(rule.flags) for rule in self.rules)
     return (f"{self.identity.family} {self.identity.version} {self.compiler} {platform.machine()} "
             f"{' '.join(self.flags)} rules [{rules}] safe {int(self.safe)} target {target} "
-            f"flags_for {FLAGS_FOR_VERSION}")
+            f"flags_for {FLAGS_FOR_VERSION} {self.linker.key} build {BUILD_VERSION}")
 
   @property
   def cache_key(self) -> str:  # type: ignore[override]
@@ -297,7 +302,7 @@ class ClangCompiler(Compiler):
     for known in known_answers: by_flags.setdefault(tuple(self.flags_for(known.source)), []).append(known.source)
     functions = {}
     for flags, sources in by_flags.items():
-      program = ClangProgram(None, self._build("\n".join(sources), list(flags)))
+      program = ClangProgram(None, self._build("\n".join(sources), list(flags)), self.load_runtime)
       functions.update({known.name: getattr(program.library, known.name) for known in known_answers
                         if known.source in sources})
     return functions
@@ -307,25 +312,48 @@ class ClangCompiler(Compiler):
     return self._build(source, self.flags_for(source))
 
   def _build(self, source: str, flags: list[str]) -> bytes:
-    """The shared object of `source` compiled with `flags`."""
+    """The shared object of `source` compiled with `flags`: an object file (`-c`), linked alone (host_link.py)."""
+    compile_flags = [flag for flag in flags if flag != "-shared"]
     with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
-      source_path, library_path = os.path.join(folder, "kernel.c"), os.path.join(folder, "kernel.so")
+      source_path, object_path = os.path.join(folder, "kernel.c"), os.path.join(folder, "kernel.o")
+      library_path = os.path.join(folder, "kernel.so")
       with open(source_path, "w") as source_file: source_file.write(source)
-      timeout = float(COMPILE_TIMEOUT.value) or None
-      # a session of its own, so that a timeout ends the compiler driver and the compiler proper (cc1) it started
-      process = subprocess.Popen([self.compiler, *flags, source_path, "-o", library_path, *LINK_FLAGS],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-      try:
-        _, stderr = process.communicate(timeout=timeout)
-      except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise CompileError(f"compiling kernel {kernel_name(source)} ({len(source.splitlines())} lines of C) took "
-                           f"more than COMPILE_TIMEOUT={timeout:g} s; raise COMPILE_TIMEOUT, or lower "
-                           f"KERNEL_OPS_LIMIT to split big fused kernels") from None
-      if process.returncode != 0:
-        raise CompileError(f"{os.path.basename(self.compiler)} failed on this kernel:\n{source}\n--- compiler log ---\n"
-                           f"{stderr}")
+      self._run(source, [self.compiler, *compile_flags, "-c", source_path, "-o", object_path])
+      self._run(source, self.linker.command(object_path, library_path))
+      with open(library_path, "rb") as library_file: return library_file.read()
+
+  def _run(self, source: str, command: list[str]) -> None:
+    """Run one step of the build of `source` (the compiler or the linker), within COMPILE_TIMEOUT."""
+    timeout = float(COMPILE_TIMEOUT.value) or None
+    # a session of its own, so that a timeout ends the compiler driver and the compiler proper (cc1) it started
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+      _, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      os.killpg(process.pid, signal.SIGKILL)
+      process.communicate()
+      raise CompileError(f"compiling kernel {kernel_name(source)} ({len(source.splitlines())} lines of C) took "
+                         f"more than COMPILE_TIMEOUT={timeout:g} s; raise COMPILE_TIMEOUT, or lower "
+                         f"KERNEL_OPS_LIMIT to split big fused kernels") from None
+    if process.returncode != 0:
+      raise CompileError(f"{os.path.basename(command[0])} failed on this kernel:\n{source}\n--- compiler log ---\n"
+                         f"{stderr}")
+
+  # ---------------------------------------------------------------- the C runtime library (host_link.py)
+
+  def load_runtime(self) -> None:
+    """Load the C runtime library the kernels' libm and OpenMP symbols resolve from, once per process (from the
+    disk cache where an earlier process linked it)."""
+    ensure_c_runtime(self.toolchain_key, lambda: _RuntimeLibrary(self).compile_cached(RUNTIME_SOURCE))
+
+  def _link_runtime(self) -> bytes:
+    """The C runtime library: linked by the driver, with every kernel's flags and libraries, all recorded needed."""
+    with tempfile.TemporaryDirectory(prefix="ourgrad_") as folder:
+      source_path, library_path = os.path.join(folder, "runtime.c"), os.path.join(folder, "runtime.so")
+      with open(source_path, "w") as source_file: source_file.write(RUNTIME_SOURCE)
+      self._run(RUNTIME_SOURCE, [self.compiler, *self.flags, *RUNTIME_LINK_FLAGS, source_path, "-o", library_path,
+                                 *LINK_FLAGS])
       with open(library_path, "rb") as library_file: return library_file.read()
 
   def disassemble(self, source: str) -> str:
@@ -346,20 +374,35 @@ def kernel_name(source: str) -> str:
   return names[-1] if names else "<unnamed>"
 
 
+class _RuntimeLibrary(Compiler):
+  """The C runtime library's entry in the disk compile cache, keyed by the toolchain (not through ClangCompiler's
+  cache_key, which runs the self-test: whose kernels need this library loaded)."""
+
+  def __init__(self, compiler: ClangCompiler):
+    self.compiler = compiler
+
+  @property
+  def cache_key(self) -> str:  # type: ignore[override]
+    return f"clang c-runtime {self.compiler.toolchain_key}"
+
+  def cache_path(self, source: str) -> pathlib.Path:
+    """Beside the self-test's verdicts, not among the kernels (whose entries the size bound prunes)."""
+    digest = hashlib.sha256(f"{self.cache_key}\n{source}".encode()).hexdigest()
+    return cache_dir() / "toolchain" / f"c_runtime_{digest[:32]}.so"
+
+  def compile(self, source: str) -> bytes: return self.compiler._link_runtime()
+
+
 class ClangProgram(HostProgram):
-  """A compiled kernel: load the shared object from its bytes and call the named function."""
+  """A compiled kernel: load the shared object from its bytes and call the named function. `load_runtime` loads
+  the libraries its undefined symbols come from first (ClangCompiler.load_runtime; None: a shared object linked
+  with them, as the driver links one)."""
 
-  def __init__(self, name: str | None, library: bytes):
+  def __init__(self, name: str | None, library: bytes, load_runtime: Callable[[], None] | None = None):
     self.name = name
-    with tempfile.NamedTemporaryFile(suffix=".so", delete=False) as library_file:
-      library_file.write(library)
-      path = library_file.name
-    try:
-      self.library = ctypes.CDLL(path)
-    finally:
-      os.unlink(path)
+    if load_runtime is not None: load_runtime()
+    self.library = load_library(library, f"CLANG kernel {name}")
     self.function = getattr(self.library, name) if name is not None else None
-
 
 
 def create_device(name: str) -> Compiled:
@@ -370,4 +413,5 @@ def create_device(name: str) -> Compiled:
   renderer.vector_bytes = compiler.vector_bytes
   renderer.vector_registers = compiler.vector_registers   # the matmul tile's rows (codegen/opt/cpu_tiles.py)
   renderer.l2_cache_bytes = host_l2_cache_bytes()   # the matmul tiles' cache blocks (codegen/opt/heuristic.py)
-  return Compiled(name, HostAllocator(), renderer, compiler, ClangProgram)
+  return Compiled(name, HostAllocator(), renderer, compiler,
+                  lambda kernel, library: ClangProgram(kernel, library, compiler.load_runtime))
