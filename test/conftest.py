@@ -5,12 +5,24 @@ rendered as CUDA C++ and compiled with NVRTC for sm_90 (an H100: large float16/b
 kernel, compiled for sm_90a). NVRTC needs no GPU, so CI catches CUDA rendering bugs on a machine without one. The
 kernels a test builds are compiled together at its teardown, few NVRTC programs instead of one each
 (runtime/nvrtc_check.py: most of a small kernel's compile is each program's fixed cost); a kernel NVRTC rejects fails
-that test at teardown, named, with its source and compiler log.
+that test at teardown, named, with its source and compiler log. CHECK_CUDA_RENDER=file compiles a whole test file's
+kernels together at its end (fewer, larger programs): a rejected kernel then fails the file's last test, the message
+naming the test that built it.
 """
 import os
 from typing import Any, Callable
 
 import pytest
+
+
+# the id of the test running now: the check names it beside a kernel NVRTC rejects
+_current_test = [""]
+
+
+def _check_cuda_mode() -> str:
+  """"" (no check), "test" (compile each test's kernels at its teardown) or "file" (each test file's, at its end)."""
+  value = os.environ.get("CHECK_CUDA_RENDER", "")
+  return "" if value in ("", "0") else "file" if value == "file" else "test"
 
 
 def cuda_checking_compile(compile_for_device: Callable, renderer: Any, nvrtc_check: Any) -> Callable:
@@ -21,7 +33,7 @@ def cuda_checking_compile(compile_for_device: Callable, renderer: Any, nvrtc_che
   from ourgrad.ops import Ops
 
   def compile_and_check_cuda(kernel, device):
-    if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):  # a test may switch the check off (monkeypatch.delenv)
+    if not _check_cuda_mode():  # a test may switch the check off (monkeypatch.delenv)
       return compile_for_device(kernel, device)
     # the same kind of kernel with the same default opts, built for CUDA (a one-kernel split reduce, EMULATE=CUDA, is
     # one for CUDA too; a kernel carrying a one-value reduce, codegen/ride_along.py, is built from its whole AST)
@@ -33,14 +45,14 @@ def cuda_checking_compile(compile_for_device: Callable, renderer: Any, nvrtc_che
       if ast.op is not Ops.RIDE_ALONG or "does not fit" not in str(error): raise
       cuda_kernel = build_kernel(kernel.ast, renderer)
       source = lower_kernel(cuda_kernel, renderer, realize.function_name(cuda_kernel)).source
-    nvrtc_check.add(realize.function_name(cuda_kernel), source)   # compiled at the test's teardown
+    nvrtc_check.add(realize.function_name(cuda_kernel), source, _current_test[0])   # compiled at a teardown
     return compile_for_device(kernel, device)
   return compile_and_check_cuda
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _check_cuda_rendering():
-  if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):
+  if not _check_cuda_mode():
     yield None
     return
   from ourgrad.engine import realize
@@ -56,12 +68,20 @@ def _check_cuda_rendering():
   nvrtc_check.flush()   # what module and session fixtures built after the last test's teardown
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _check_cuda_kernels_of_this_file(_check_cuda_rendering):
+  """With CHECK_CUDA_RENDER=file: the CUDA kernels this test file built, compiled together by NVRTC at its end."""
+  yield
+  if _check_cuda_rendering is not None and _check_cuda_mode() == "file": _check_cuda_rendering.flush()
+
+
 @pytest.fixture(autouse=True)
-def _check_cuda_kernels_of_this_test(_check_cuda_rendering):
+def _check_cuda_kernels_of_this_test(_check_cuda_rendering, _check_cuda_kernels_of_this_file, request):
   """With CHECK_CUDA_RENDER=1: the CUDA kernels this test built, compiled together by NVRTC when it ends (autouse:
   set up first, so torn down after the test's other fixtures, whose teardowns may build kernels too)."""
+  _current_test[0] = request.node.nodeid
   yield
-  if _check_cuda_rendering is not None: _check_cuda_rendering.flush()
+  if _check_cuda_rendering is not None and _check_cuda_mode() == "test": _check_cuda_rendering.flush()
 
 
 @pytest.fixture

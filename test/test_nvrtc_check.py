@@ -46,11 +46,11 @@ def test_kernels_compile_together_in_one_program(compiler):
 def test_the_rejected_kernel_is_named_with_its_source_and_log(compiler):
   check = NvrtcCheck(compiler)
   for index, source in enumerate(GOOD[:2]): check.add(f"good{index}", source)
-  check.add("E_bad", BAD_PTX)
+  check.add("E_bad", BAD_PTX, made_by="test_that_built_it")
   with pytest.raises(CompileError) as failure:
     check.flush()
   message = str(failure.value)
-  assert "NVRTC rejects 1 CUDA kernel(s) this test built: E_bad" in message
+  assert "NVRTC rejects 1 CUDA kernel(s): E_bad (built by test_that_built_it)" in message
   assert "not.an.instruction" in message and "ptxas" in message   # the source and ptxas's log
   assert "good0" not in message and "good1" not in message
   assert check.programs == 1 + 3   # the combined program failed, then each kernel alone
@@ -100,5 +100,5 @@ def test_a_broken_cuda_rendering_fails_naming_the_kernel(compiler, monkeypatch):
   with pytest.raises(CompileError) as failure:
     check.flush()
   message = str(failure.value)
-  assert f"this test built: {names[0]}" in message
+  assert f"CUDA kernel(s): {names[0]}" in message
   assert "not_declared_anywhere = 1;" in message and "is undefined" in message

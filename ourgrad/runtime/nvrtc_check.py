@@ -35,6 +35,7 @@ _INCLUDE = re.compile(r"^[ \t]*#[ \t]*include\b", re.MULTILINE)
 class PendingKernel:
   name: str      # the kernel's function name
   source: str    # its CUDA C++, as the CUDA device would compile it
+  made_by: str   # what built it (a test's id), named beside it when NVRTC rejects it
 
 
 class _CheckMarks(Compiler):
@@ -55,6 +56,10 @@ def combined_source(kernels: list[PendingKernel]) -> str:
   return "".join(parts)
 
 
+def _described(kernel: PendingKernel) -> str:
+  return f"{kernel.name} (built by {kernel.made_by})" if kernel.made_by else kernel.name
+
+
 class NvrtcCheck:
   """Kernels added with `add` wait; `flush` compiles them (few NVRTC programs) and raises CompileError naming each
   kernel NVRTC rejects."""
@@ -66,9 +71,9 @@ class NvrtcCheck:
     self._pending: dict[str, PendingKernel] = {}  # by source: a kernel made twice is compiled once
     self.programs = 0   # NVRTC programs compiled (batches and lone kernels): for tests and reports
 
-  def add(self, name: str, source: str) -> None:
+  def add(self, name: str, source: str, made_by: str = "") -> None:
     if source in self._checked or source in self._pending: return
-    self._pending[source] = PendingKernel(name, source)
+    self._pending[source] = PendingKernel(name, source, made_by)
 
   def pending(self) -> list[PendingKernel]:
     return list(self._pending.values())
@@ -84,10 +89,9 @@ class NvrtcCheck:
     for kernel in waiting:
       if kernel.source not in rejected_sources: self._mark_checked(kernel.source)
     if rejected:
-      names = ", ".join(kernel.name for kernel, _ in rejected)
-      details = "\n\n".join(f"--- kernel {kernel.name} ---\n{error}" for kernel, error in rejected)
-      raise CompileError(f"CHECK_CUDA_RENDER: NVRTC rejects {len(rejected)} CUDA kernel(s) this test built: "
-                         f"{names}\n{details}")
+      names = ", ".join(_described(kernel) for kernel, _ in rejected)
+      details = "\n\n".join(f"--- kernel {_described(kernel)} ---\n{error}" for kernel, error in rejected)
+      raise CompileError(f"CHECK_CUDA_RENDER: NVRTC rejects {len(rejected)} CUDA kernel(s): {names}\n{details}")
 
   def _already_checked(self, source: str) -> bool:
     if source in self._checked: return True
