@@ -69,8 +69,9 @@ def _check_cuda_rendering():
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _check_cuda_kernels_of_this_file(_check_cuda_rendering):
+def _check_cuda_kernels_of_this_file(_check_cuda_rendering, request):
   """With CHECK_CUDA_RENDER=file: the CUDA kernels this test file built, compiled together by NVRTC at its end."""
+  _current_test[0] = request.node.nodeid   # what the file's module-scoped fixtures build is the file's
   yield
   if _check_cuda_rendering is not None and _check_cuda_mode() == "file": _check_cuda_rendering.flush()
 
