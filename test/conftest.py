@@ -2,30 +2,38 @@
 
 CHECK_CUDA_RENDER=1: every kernel the tests compile (on whatever device they run) is also optimized for CUDA,
 rendered as CUDA C++ and compiled with NVRTC for sm_90 (an H100: large float16/bfloat16 matmuls become the wgmma
-kernel, compiled for sm_90a). NVRTC needs no GPU, so CI catches CUDA rendering bugs on a
-machine without one. A kernel NVRTC rejects fails the test that generated it, with the source and compiler log.
+kernel, compiled for sm_90a). NVRTC needs no GPU, so CI catches CUDA rendering bugs on a machine without one. The
+kernels a test builds are compiled together at its teardown, few NVRTC programs instead of one each
+(runtime/nvrtc_check.py: most of a small kernel's compile is each program's fixed cost); a kernel NVRTC rejects fails
+that test at teardown, named, with its source and compiler log. CHECK_CUDA_RENDER=file compiles a whole test file's
+kernels together at its end (fewer, larger programs): a rejected kernel then fails the file's last test, the message
+naming the test that built it.
 """
 import os
+from typing import Any, Callable
 
 import pytest
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _check_cuda_rendering():
-  if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):
-    yield
-    return
+# the id of the test running now: the check names it beside a kernel NVRTC rejects
+_current_test = [""]
+
+
+def _check_cuda_mode() -> str:
+  """"" (no check), "test" (compile each test's kernels at its teardown) or "file" (each test file's, at its end)."""
+  value = os.environ.get("CHECK_CUDA_RENDER", "")
+  return "" if value in ("", "0") else "file" if value == "file" else "test"
+
+
+def cuda_checking_compile(compile_for_device: Callable, renderer: Any, nvrtc_check: Any) -> Callable:
+  """engine/realize.py's compile_kernel that also builds each kernel for CUDA with `renderer` and hands its source to
+  `nvrtc_check` (runtime/nvrtc_check.py NvrtcCheck), then compiles it for its own device with `compile_for_device`."""
   from ourgrad.codegen.lowering import build_kernel, lower_kernel
   from ourgrad.engine import realize
   from ourgrad.ops import Ops
-  from ourgrad.renderer.cuda import CUDARenderer
-  from ourgrad.runtime.ops_cuda import CUDACompiler
-
-  renderer, compiler = CUDARenderer("sm_90"), CUDACompiler("sm_90")
-  compile_for_device = realize.compile_kernel
 
   def compile_and_check_cuda(kernel, device):
-    if os.environ.get("CHECK_CUDA_RENDER", "") in ("", "0"):  # a test may switch the check off (monkeypatch.delenv)
+    if not _check_cuda_mode():  # a test may switch the check off (monkeypatch.delenv)
       return compile_for_device(kernel, device)
     # the same kind of kernel with the same default opts, built for CUDA (a one-kernel split reduce, EMULATE=CUDA, is
     # one for CUDA too; a kernel carrying a one-value reduce, codegen/ride_along.py, is built from its whole AST)
@@ -35,14 +43,46 @@ def _check_cuda_rendering():
       source = lower_kernel(cuda_kernel, renderer, realize.function_name(cuda_kernel)).source
     except AssertionError as error:   # a rider that fits the device's block but not CUDA's: check the host alone
       if ast.op is not Ops.RIDE_ALONG or "does not fit" not in str(error): raise
-      host = build_kernel(kernel.ast, renderer)
-      source = lower_kernel(host, renderer, realize.function_name(host)).source
-    compiler.compile_cached(source)
+      cuda_kernel = build_kernel(kernel.ast, renderer)
+      source = lower_kernel(cuda_kernel, renderer, realize.function_name(cuda_kernel)).source
+    nvrtc_check.add(realize.function_name(cuda_kernel), source, _current_test[0])   # compiled at a teardown
     return compile_for_device(kernel, device)
+  return compile_and_check_cuda
 
-  realize.compile_kernel = compile_and_check_cuda
-  yield
+
+@pytest.fixture(autouse=True, scope="session")
+def _check_cuda_rendering():
+  if not _check_cuda_mode():
+    yield None
+    return
+  from ourgrad.engine import realize
+  from ourgrad.renderer.cuda import CUDARenderer
+  from ourgrad.runtime.nvrtc_check import NvrtcCheck
+  from ourgrad.runtime.ops_cuda import CUDACompiler
+
+  nvrtc_check = NvrtcCheck(CUDACompiler("sm_90"))
+  compile_for_device = realize.compile_kernel
+  realize.compile_kernel = cuda_checking_compile(compile_for_device, CUDARenderer("sm_90"), nvrtc_check)
+  yield nvrtc_check
   realize.compile_kernel = compile_for_device
+  nvrtc_check.flush()   # what module and session fixtures built after the last test's teardown
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _check_cuda_kernels_of_this_file(_check_cuda_rendering, request):
+  """With CHECK_CUDA_RENDER=file: the CUDA kernels this test file built, compiled together by NVRTC at its end."""
+  _current_test[0] = request.node.nodeid   # what the file's module-scoped fixtures build is the file's
+  yield
+  if _check_cuda_rendering is not None and _check_cuda_mode() == "file": _check_cuda_rendering.flush()
+
+
+@pytest.fixture(autouse=True)
+def _check_cuda_kernels_of_this_test(_check_cuda_rendering, _check_cuda_kernels_of_this_file, request):
+  """With CHECK_CUDA_RENDER=1: the CUDA kernels this test built, compiled together by NVRTC when it ends (autouse:
+  set up first, so torn down after the test's other fixtures, whose teardowns may build kernels too)."""
+  _current_test[0] = request.node.nodeid
+  yield
+  if _check_cuda_rendering is not None and _check_cuda_mode() == "test": _check_cuda_rendering.flush()
 
 
 @pytest.fixture

@@ -308,9 +308,16 @@ class CUDACompiler(Compiler):
       log_size = check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
       log = b" " * log_size
       check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
-      compiler_log = log.decode(errors="replace")
+      check(nvrtc.nvrtcDestroyProgram(program), "nvrtcDestroyProgram")
+      compiler_log = log.rstrip(b"\x00").decode(errors="replace")
       raise CompileError(f"NVRTC failed on this kernel:\n{source}\n--- compiler log ---\n{compiler_log}")
     return program
+
+  def check_compiles(self, source: str, arch: str) -> None:
+    """Compile `source` for `arch` with this compiler's options and keep nothing: CompileError (source and log) if
+    NVRTC rejects it. For sm_XX ptxas runs inside the compile, so inline PTX is assembled and checked too
+    (runtime/nvrtc_check.py compiles many kernels at once this way)."""
+    check(nvrtc.nvrtcDestroyProgram(self._nvrtc_program(source, arch)), "nvrtcDestroyProgram")
 
   def compile(self, source: str) -> bytes:
     # the PTX text ends with its NUL byte: cuModuleLoadData takes it as a C string
