@@ -18,6 +18,7 @@ import itertools
 import math
 from typing import Callable, Iterable, Sequence
 
+from ourgrad.codegen.bounded_loops import bounded_reduce_end
 from ourgrad.codegen.halo_tiles import HaloTileFill, HaloWindow
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.matmul_operands import is_plain_load
@@ -178,8 +179,11 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       if async_stages: self._copy_first_tile_steps(tiles, axis_idxs, async_stages)
       if kernel.group_dims and not tiles and len(output_lanes) <= PREFETCHED_EPILOGUE_LANES:
         self._prefetch_epilogue(axis_idxs, output_lanes)
-      reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
-                      for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
+      loop_axes = range(kernel.first_loop_reduce, kernel.first_upcast)
+      # a SUM of terms that a Variable-bounded mask zeroes ends where the mask does (codegen/bounded_loops.py)
+      bounded = len(loop_axes) == 1 and not tiles and not kernel.group_dims
+      end = self._bounded_end(axis_idxs, output_lanes) if bounded else None
+      reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE, end) for axis in loop_axes]
       next_tiles = []
       if async_stages: self._copy_next_tile_step(tiles, axis_idxs, async_stages)
       elif pipelined:   # load step r + 1 now (wrapping to 0 at the end: in bounds, never read), store it after the math
@@ -512,8 +516,19 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       var = variables[name]
       self.loop_vars[name] = self.builder.add(UOps.DEFINE_VAR, INDEX_DTYPE, (), (name, var.min, var.max))
 
-  def _open_loop(self, name: str, size: int | Node, kind: AxisType) -> UOp:
-    end = self.node_to_uop(size) if is_symbolic(size) else self._int(size)
+  def _bounded_end(self, axis_idxs: list[Node], output_lanes: list[tuple[int, ...]]) -> UOp | None:
+    """The end of the kernel's one reduce loop where bounded_loops.py finds one (over every output and unroll lane)."""
+    kernel, axis = self.kernel, self.kernel.first_loop_reduce
+    size = kernel.full_shape[axis]
+    if is_symbolic(size): return None
+    unroll_lanes = list(itertools.product(*[range(kernel.full_shape[a]) for a in kernel.unroll_axes]))
+    lanes = [self._fill_lanes(axis_idxs, kernel.upcast_axes, lane, kernel.unroll_axes, unroll)
+             for lane in output_lanes for unroll in unroll_lanes]
+    return bounded_reduce_end(self, axis, size, lanes)
+
+  def _open_loop(self, name: str, size: int | Node, kind: AxisType, end: UOp | None = None) -> UOp:
+    """A loop over [0, size), or [0, end) where `end` (a UOp at most size) is given."""
+    if end is None: end = self.node_to_uop(size) if is_symbolic(size) else self._int(size)
     loop = self.builder.add(UOps.RANGE, INDEX_DTYPE, (self._int(0), end), (name, kind))
     self.loop_vars[name] = loop
     return loop
