@@ -30,23 +30,24 @@ def _sources(tensor: Tensor, device: str = "CLANG") -> list[str]:
           for item in create_schedule([tensor.lazydata]) if item.ast.op is not Ops.COPY]
 
 
-def _inputs(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def _inputs(seed: int = 0, slots: int = SLOTS, head_dim: int = HEAD_DIM) -> tuple[np.ndarray, np.ndarray]:
   rng = np.random.default_rng(seed)
-  cache = rng.standard_normal((SLOTS, 2 * KV_HEADS, HEAD_DIM)).astype(np.float32)
-  q = rng.standard_normal((KV_HEADS, GROUP, HEAD_DIM)).astype(np.float32)
+  cache = rng.standard_normal((slots, 2 * KV_HEADS, head_dim)).astype(np.float32)
+  q = rng.standard_normal((KV_HEADS, GROUP, head_dim)).astype(np.float32)
   return cache, q
 
 
 def _attention(cache: np.ndarray, q: np.ndarray, position: int, device: str) -> Tensor:
   """One query per head over the cache slots [0, position], the cache read shrunk to a bound Variable and padded
   back (as extra/models/llama.py's fixed-shape decode), the tail hidden by an additive -inf mask."""
-  used = Variable("used", 1, SLOTS).bind(position + 1)
-  unused = ((0, SLOTS - used), None, None)
+  slots, head_dim = cache.shape[0], cache.shape[-1]
+  used = Variable("used", 1, slots).bind(position + 1)
+  unused = ((0, slots - used), None, None)
   stored = Tensor(cache, device=device)
   keys = stored[:, :KV_HEADS].shrink(((0, used), None, None)).pad(unused).permute(1, 2, 0)   # (kv, hd, slots)
   values = stored[:, KV_HEADS:].shrink(((0, used), None, None)).pad(unused).permute(1, 0, 2)   # (kv, slots, hd)
-  mask = np.where(np.arange(SLOTS) <= position, 0.0, -math.inf).astype(np.float32)
-  scores = Tensor(q, device=device) @ keys * (1.0 / math.sqrt(HEAD_DIM)) + Tensor(mask, device=device)
+  mask = np.where(np.arange(slots) <= position, 0.0, -math.inf).astype(np.float32)
+  scores = Tensor(q, device=device) @ keys * (1.0 / math.sqrt(head_dim)) + Tensor(mask, device=device)
   return scores.softmax(-1) @ values
 
 
@@ -101,3 +102,36 @@ def test_reduces_whose_padded_terms_count_keep_their_loops(position: int) -> Non
   assert padded.max().numpy() == expected.max()
   padded = Tensor(x).shrink(((0, used),)).pad(((0, 9 - used),))
   np.testing.assert_allclose((padded + 1).sum().numpy(), (expected + 1).sum())
+
+
+def _full_cache_attention(cache: np.ndarray, q: np.ndarray, position: int) -> Tensor:
+  """The same attention over the whole cache (no bound Variable): every loop runs over all the slots."""
+  stored = Tensor(cache)
+  keys, values = stored[:, :KV_HEADS].permute(1, 2, 0), stored[:, KV_HEADS:].permute(1, 0, 2)
+  mask = np.where(np.arange(SLOTS) <= position, 0.0, -math.inf).astype(np.float32)
+  scores = Tensor(q) @ keys * (1.0 / math.sqrt(HEAD_DIM)) + Tensor(mask)
+  return scores.softmax(-1) @ values
+
+
+@pytest.mark.parametrize("position", [1, SLOTS - 2])
+def test_bounded_attention_is_the_full_loops_bits(position: int) -> None:
+  """With zeros past the position (a KV cache's unwritten slots) the shortened loops give the whole-cache kernels'
+  result bit for bit: the same kernels and opts, the skipped terms exact zeros, and inside the weighted sum's
+  shortened loop its loads unmasked (the bound implies their mask), the vector code the same."""
+  cache, q = _inputs(position)
+  cache[position + 1:] = 0.0
+  bounded, full = _attention(cache, q, position, "CLANG").numpy(), _full_cache_attention(cache, q, position).numpy()
+  assert np.array_equal(bounded, full)
+
+
+def test_masked_loads_stay_vector_code() -> None:
+  """The scores' keys, masked slot by slot, are one vector built from masked element loads; the weighted sum's
+  values, whose mask the loop's end implies, one plain vector load (renderer/cvector.py). SmolLM2's head dim and
+  136 slots (8 x 17, as 520 is 8 x 65): the optimizer's upcasts are the decode's."""
+  cache, q = _inputs(slots=136, head_dim=64)
+  scores, weighted = [source for source in _sources(_attention(cache, q, 5, "CLANG"))
+                      if re.search(r"for \(int ridx\d+ = 0; ridx\d+ < \(", source)]
+  assert re.search(r"vacc\d+ \+= .*\(\(float\d+v\)\{\(\(alu\d+\) \? data\d+\[", scores), scores
+  assert re.search(r"vacc\d+ \+= .*\(\*\(const float\d+v_u\*\)\(data\d+\+", weighted), weighted
+  body = weighted[weighted.index("++) {"):]
+  assert "used" not in body[:body.index("\n      }")], weighted   # no mask test inside the loop body

@@ -59,10 +59,14 @@ def _upper_bound(condition: Node, index: Variable) -> Node | None:
   return (NumNode(0) + right - c + (k.b - 1)) // k.b
 
 
-def bounded_reduce_end(lin: Linearizer, axis: int, size: int, lanes: Iterable[Sequence[Node]]) -> UOp | None:
+def bounded_reduce_end(lin: Linearizer, axis: int, size: int,
+                       lanes: Iterable[Sequence[Node]]) -> tuple[UOp, frozenset[Node]] | None:
   """The end of reduce loop `axis` (of `size`) as a UOp computed before it opens, or None for the full loop: the
   largest, over the lanes' index lists (each with the loop's Variable at `axis`), of the smallest end the zeroing
-  loads of each SUM allow (module docstring). None unless every reduce of the kernel is a SUM with such a load."""
+  loads of each SUM allow (module docstring). None unless every reduce of the kernel is a SUM with such a load.
+  With it, the mask conditions that hold at every index of the shortened loop (where every lane's end is one upper
+  bound: the loads' `index < bound` tests): the loads leave them out, so they stay the unmasked loads that vector
+  code takes (renderer/cvector.py), the update's arithmetic what the full loop's was."""
   kernel = lin.kernel
   if kernel.reduceop is None or any(reduce.op is not Ops.SUM for reduce in kernel.reduceops): return None
   masked = {id(leaf) for leaf, st in zip(kernel.leaves, kernel.sts)
@@ -77,32 +81,39 @@ def bounded_reduce_end(lin: Linearizer, axis: int, size: int, lanes: Iterable[Se
     below = build.alu(Ops.CMPLT, dtypes.bool, a, b)
     return build.alu(Ops.WHERE, a.dtype, below, b, a) if larger else build.alu(Ops.WHERE, a.dtype, below, a, b)
   ends: dict[int, UOp] = {}   # each lane's end, by id: lanes that differ only where no load varies share one
+  bounded_by: dict[int, set[Node]] = {}   # id of an end that is one clamped upper bound -> the conditions giving it
   for idxs in lanes:
     index = idxs[axis]
     assert isinstance(index, Variable)
     for sibling in loads:
       end: UOp | None = None
       for load in sibling:
-        load_end = _load_end(lin, lin._index_nodes(kernel.leaf_number(load), list(idxs))[1], index, size)
-        if load_end is not None: end = pick(end, load_end, larger=False)
+        found = _load_end(lin, lin._index_nodes(kernel.leaf_number(load), list(idxs))[1], index, size)
+        if found is None: continue
+        load_end, condition = found
+        if condition is not None: bounded_by.setdefault(id(load_end), set()).add(condition)
+        end = pick(end, load_end, larger=False)
       if end is None: return None   # a reduce none of whose loads bounds the loop
       ends.setdefault(id(end), end)
   result: UOp | None = None
   for end in ends.values(): result = pick(result, end, larger=True)
-  return result
+  assert result is not None
+  return result, frozenset(bounded_by.get(id(result), ()))
 
 
-def _load_end(lin: Linearizer, valid: Node, index: Variable, size: int) -> UOp | None:
+def _load_end(lin: Linearizer, valid: Node, index: Variable, size: int) -> tuple[UOp, Node | None] | None:
   """The loop end one masked load allows at one lane: its validity `valid` holds only below it. Conditions free of
   the index gate the whole loop (end 0 where one is false); an upper bound on the index, clamped to [0, size], ends
-  it; None where the load bounds nothing (no condition of either kind)."""
+  it; None where the load bounds nothing (no condition of either kind). With the end, the bounding condition where
+  it alone gives the end (no gate): it holds at every index below that end."""
   build = lin.builder
-  if isinstance(valid, NumNode): return lin._int(size if valid.b else 0)
+  if isinstance(valid, NumNode): return lin._int(size if valid.b else 0), None
   gates: list[Node] = []
   bound: Node | None = None
+  bounding: Node | None = None
   for condition in _conjuncts(valid):
     if index not in condition.vars(): gates.append(condition)
-    elif bound is None: bound = _upper_bound(condition, index)
+    elif bound is None and (bound := _upper_bound(condition, index)) is not None: bounding = condition
   if bound is None and not gates: return None
   end = lin._int(size)
   if bound is not None:
@@ -111,4 +122,4 @@ def _load_end(lin: Linearizer, valid: Node, index: Variable, size: int) -> UOp |
     zero = lin._int(0)
     end = build.alu(Ops.WHERE, value.dtype, build.alu(Ops.CMPLT, dtypes.bool, end, zero), zero, end)
   for gate in gates: end = build.alu(Ops.WHERE, end.dtype, lin.node_to_uop(gate), end, lin._int(0))
-  return end
+  return end, None if gates else bounding

@@ -31,7 +31,7 @@ from ourgrad.helpers import GATED_VECTOR_LOADS
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import (AndNode, DivNode, LtNode, ModNode, MulNode, Node, NumNode, ProdNode, SumNode,
-                                    Variable, given_valid, is_symbolic, sym_max)
+                                    Variable, given_valid, is_symbolic, sym_and, sym_max)
 
 INDEX_DTYPE = dtypes.int32
 
@@ -80,6 +80,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     self.halo_valid: dict = {}
     self.fragment_loads: dict[tuple, UOp] = {}   # LDMATRIX of the tensor-core tiles in this reduce step
     self.hoisted_gate: UOp | None = None   # the IF of a gated store's condition, opened among the loops
+    self.implied_valid: frozenset[Node] = frozenset()   # mask conditions a bounded reduce loop's end implies
 
   # ---------------------------------------------------------------- symbolic index math -> UOps
 
@@ -182,7 +183,8 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       loop_axes = range(kernel.first_loop_reduce, kernel.first_upcast)
       # a SUM of terms that a Variable-bounded mask zeroes ends where the mask does (codegen/bounded_loops.py)
       bounded = len(loop_axes) == 1 and not tiles and not kernel.group_dims
-      end = self._bounded_end(axis_idxs, output_lanes) if bounded else None
+      bound = self._bounded_end(axis_idxs, output_lanes) if bounded else None
+      end, self.implied_valid = bound if bound is not None else (None, frozenset())
       reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE, end) for axis in loop_axes]
       next_tiles = []
       if async_stages: self._copy_next_tile_step(tiles, axis_idxs, async_stages)
@@ -209,6 +211,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       # a load the kernel's epilogue shares with the reduce reads global memory there
       self.tiles, self.tile_offsets = {}, {}
       for loop in reversed(reduce_loops): build.end_range(loop)
+      self.implied_valid = frozenset()
 
     combined: dict[tuple[int, ...], UOp] = dict(accumulators)
     store_if = None
@@ -516,7 +519,8 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       var = variables[name]
       self.loop_vars[name] = self.builder.add(UOps.DEFINE_VAR, INDEX_DTYPE, (), (name, var.min, var.max))
 
-  def _bounded_end(self, axis_idxs: list[Node], output_lanes: list[tuple[int, ...]]) -> UOp | None:
+  def _bounded_end(self, axis_idxs: list[Node],
+                   output_lanes: list[tuple[int, ...]]) -> tuple[UOp, frozenset[Node]] | None:
     """The end of the kernel's one reduce loop where bounded_loops.py finds one (over every output and unroll lane)."""
     kernel, axis = self.kernel, self.kernel.first_loop_reduce
     size = kernel.full_shape[axis]
@@ -550,6 +554,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
   def _index(self, leaf_number: int, idxs: list[Node]) -> tuple[UOp, UOp | None]:
     """(index, valid) uops of a leaf's view; valid is None where always true."""
     index_node, valid_node = self._index_nodes(leaf_number, idxs)
+    if self.implied_valid: valid_node = _without(valid_node, self.implied_valid)
     valid = None if (isinstance(valid_node, NumNode) and valid_node.b == 1) else valid_node
     if isinstance(valid_node, NumNode) and valid_node.b == 0: index_node = NumNode(0)
     return self.node_to_uop(index_node), (self.node_to_uop(valid) if valid is not None else None)
@@ -751,6 +756,13 @@ def _varies_along(node: LazyOp, axes: Iterable[int], views: dict[int, ShapeTrack
       if not (view.shape[axis] == 1 or view.strides[axis] == 0): return True
       if view.mask is not None and tuple(view.mask[axis]) != (0, view.shape[axis]): return True
   return False
+
+
+def _without(valid: Node, implied: frozenset[Node]) -> Node:
+  """A validity with the conditions that hold anyway (`implied`) left out."""
+  conditions = list(valid.nodes) if isinstance(valid, AndNode) else [valid]
+  kept = [condition for condition in conditions if condition not in implied]
+  return valid if len(kept) == len(conditions) else sym_and(kept)
 
 
 def _loop_index(name: str, size: int | Node) -> Variable:
