@@ -133,5 +133,5 @@ def test_masked_loads_stay_vector_code() -> None:
                       if re.search(r"for \(int ridx\d+ = 0; ridx\d+ < \(", source)]
   assert re.search(r"vacc\d+ \+= .*\(\(float\d+v\)\{\(\(alu\d+\) \? data\d+\[", scores), scores
   assert re.search(r"vacc\d+ \+= .*\(\*\(const float\d+v_u\*\)\(data\d+\+", weighted), weighted
-  body = weighted[weighted.index("++) {"):]
+  body = weighted[re.search(r"for \(int ridx\d+ = 0;[^\n]*\n", weighted).end():]
   assert "used" not in body[:body.index("\n      }")], weighted   # no mask test inside the loop body
