@@ -18,6 +18,8 @@ from ourgrad.codegen.linearizer import linearize
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.ops import Ops
 from ourgrad.shape import Variable
+from ourgrad.helpers import clear_caches
+from ourgrad.runtime.ops_python import PythonRenderer
 from helpers import device_opens
 
 SLOTS, KV_HEADS, GROUP, HEAD_DIM = 37, 2, 3, 8   # odd slots: no upcast width divides them
@@ -67,6 +69,21 @@ def test_bounded_attention_matches_numpy(position: int, device: str) -> None:
   cache[position + 1:] = np.inf   # slots past the bound are never read (an inf there would make NaN if they were)
   got = _attention(cache, q, position, device).numpy()
   np.testing.assert_allclose(got, _numpy_attention(cache, q, position), rtol=1e-5, atol=1e-5)
+
+
+def test_bounded_attention_in_the_cuda_lowering(monkeypatch: pytest.MonkeyPatch) -> None:
+  """The same attention lowered as for CUDA (the PYTHON device, EMULATE=CUDA): the kernels keep their full loops
+  there (a thread's own loop count would diverge), the masks read the pad's zeros, the result numpy's."""
+  monkeypatch.setattr(Device["PYTHON"], "renderer", PythonRenderer("CUDA"))
+  clear_caches()
+  try:
+    for position in (0, SLOTS - 1):
+      cache, q = _inputs(position)
+      cache[position + 1:] = np.inf
+      got = _attention(cache, q, position, "PYTHON").numpy()
+      np.testing.assert_allclose(got, _numpy_attention(cache, q, position), rtol=1e-5, atol=1e-5)
+  finally:
+    clear_caches()
 
 
 def test_bounded_loops_in_the_source() -> None:

@@ -181,8 +181,9 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       if kernel.group_dims and not tiles and len(output_lanes) <= PREFETCHED_EPILOGUE_LANES:
         self._prefetch_epilogue(axis_idxs, output_lanes)
       loop_axes = range(kernel.first_loop_reduce, kernel.first_upcast)
-      # a SUM of terms that a Variable-bounded mask zeroes ends where the mask does (codegen/bounded_loops.py)
-      bounded = len(loop_axes) == 1 and not tiles and not kernel.group_dims
+      # a SUM of terms that a Variable-bounded mask zeroes ends where the mask does (codegen/bounded_loops.py); a
+      # host loop nest only: GPU threads would each run their own count (divergent loops, left to the full loop)
+      bounded = len(loop_axes) == 1 and not tiles and not kernel.group_dims and not kernel.renderer.has_threads
       bound = self._bounded_end(axis_idxs, output_lanes) if bounded else None
       end, self.implied_valid = bound if bound is not None else (None, frozenset())
       reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE, end) for axis in loop_axes]
