@@ -152,3 +152,16 @@ def test_masked_loads_stay_vector_code() -> None:
   assert re.search(r"vacc\d+ \+= .*\(\*\(const float\d+v_u\*\)\(data\d+\+", weighted), weighted
   body = weighted[re.search(r"for \(int ridx\d+ = 0;[^\n]*\n", weighted).end():]
   assert "used" not in body[:body.index("\n      }")], weighted   # no mask test inside the loop body
+
+
+def test_variable_masked_kernels_get_hand_coded_opts_not_a_search() -> None:
+  """A kernel whose only Variable is a mask bound is optimized as a fixed-shape one (the sizes are known), but BEAM
+  is not asked: it would time candidates without the Variable's value."""
+  cache, q = _inputs(slots=136, head_dim=64)
+  renderer = Device["CLANG"].renderer
+
+  def search(kernel: object) -> object: raise AssertionError("searched a kernel with a Variable-bounded mask")
+  items = [item for item in create_schedule([_attention(cache, q, 5, "CLANG").lazydata]) if item.ast.op is not Ops.COPY]
+  kernels = [build_kernel(item.ast, renderer, search) for item in items
+             if any(node.op is Ops.LOAD and node.arg.st.symbolic for node in item.ast.walk())]
+  assert len(kernels) == 2 and all(kernel.applied_opts for kernel in kernels)

@@ -169,14 +169,15 @@ def _shape_symbolic(st: Any) -> bool:
 
 def build_kernel(ast: LazyOp, renderer: Renderer, search: Callable[[Kernel], Kernel] | None = None) -> AnyKernel:
   """The kernel of `ast` for `renderer` with the opts it runs with (its kind's OptPolicy): for a loop nest the
-  hand-coded ones, or `search(kernel)`'s (BEAM) where given; none with NOOPT=1 or a symbolic view (the optimizations
-  split and pad sizes they must know)."""
+  hand-coded ones, or `search(kernel)`'s (BEAM) where given; none with NOOPT=1 or a symbolic size, stride or offset
+  (the optimizations split and pad sizes they must know: a Variable only in a mask bound leaves them known)."""
   kind = kind_of_ast(ast)
   kernel = kind.build(ast, renderer)
   if kind.opts is OptPolicy.OWN_PLAN: return kernel
   if kind.opts is OptPolicy.SEARCHED:
     if NOOPT or ast_has_symbolic_shape(ast): return kernel
-    if search is not None: return search(kernel)
+    # BEAM times candidates without the Variables' values: a Variable-bounded mask keeps the hand-coded opts
+    if search is not None and not ast_is_symbolic(ast): return search(kernel)
   kernel.hand_coded_optimizations()
   return kernel
 
