@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from ourgrad.codegen.uops import UOp
 from ourgrad.dtype import dtypes
 from ourgrad.ops import LazyOp, MemBuffer, Ops
-from ourgrad.shape.symbolic import AndNode, LtNode, Node, NumNode, Variable, is_symbolic
+from ourgrad.shape.symbolic import AndNode, LtNode, Node, NumNode, Variable, is_symbolic, sym_and
 
 if TYPE_CHECKING:
   from ourgrad.codegen.linearizer import Linearizer
@@ -44,6 +44,13 @@ def zeroing_loads(node: LazyOp, masked: set[int]) -> list[LazyOp]:
 
 def _conjuncts(valid: Node) -> list[Node]:
   return list(valid.nodes) if isinstance(valid, AndNode) else [valid]
+
+
+def without_implied(valid: Node, implied: frozenset[Node]) -> Node:
+  """A load's validity with the conditions that hold anyway inside a shortened loop (`implied`) left out."""
+  conditions = _conjuncts(valid)
+  kept = [condition for condition in conditions if condition not in implied]
+  return valid if len(kept) == len(conditions) else sym_and(kept)
 
 
 def _upper_bound(condition: Node, index: Variable) -> Node | None:

@@ -18,7 +18,7 @@ import itertools
 import math
 from typing import Callable, Iterable, Sequence
 
-from ourgrad.codegen.bounded_loops import bounded_reduce_end
+from ourgrad.codegen.bounded_loops import bounded_reduce_end, without_implied
 from ourgrad.codegen.halo_tiles import HaloTileFill, HaloWindow
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.matmul_operands import is_plain_load
@@ -31,7 +31,7 @@ from ourgrad.helpers import GATED_VECTOR_LOADS
 from ourgrad.ops import LazyOp, MemBuffer, Ops
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.symbolic import (AndNode, DivNode, LtNode, ModNode, MulNode, Node, NumNode, ProdNode, SumNode,
-                                    Variable, given_valid, is_symbolic, sym_and, sym_max)
+                                    Variable, given_valid, is_symbolic, sym_max)
 
 INDEX_DTYPE = dtypes.int32
 
@@ -555,7 +555,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
   def _index(self, leaf_number: int, idxs: list[Node]) -> tuple[UOp, UOp | None]:
     """(index, valid) uops of a leaf's view; valid is None where always true."""
     index_node, valid_node = self._index_nodes(leaf_number, idxs)
-    if self.implied_valid: valid_node = _without(valid_node, self.implied_valid)
+    if self.implied_valid: valid_node = without_implied(valid_node, self.implied_valid)
     valid = None if (isinstance(valid_node, NumNode) and valid_node.b == 1) else valid_node
     if isinstance(valid_node, NumNode) and valid_node.b == 0: index_node = NumNode(0)
     return self.node_to_uop(index_node), (self.node_to_uop(valid) if valid is not None else None)
@@ -757,13 +757,6 @@ def _varies_along(node: LazyOp, axes: Iterable[int], views: dict[int, ShapeTrack
       if not (view.shape[axis] == 1 or view.strides[axis] == 0): return True
       if view.mask is not None and tuple(view.mask[axis]) != (0, view.shape[axis]): return True
   return False
-
-
-def _without(valid: Node, implied: frozenset[Node]) -> Node:
-  """A validity with the conditions that hold anyway (`implied`) left out."""
-  conditions = list(valid.nodes) if isinstance(valid, AndNode) else [valid]
-  kept = [condition for condition in conditions if condition not in implied]
-  return valid if len(kept) == len(conditions) else sym_and(kept)
 
 
 def _loop_index(name: str, size: int | Node) -> Variable:
