@@ -147,7 +147,7 @@ def decode_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any
   """One jitted SmolLM2 decode step (fixed shapes) of `--sequences` sequences, weights as `--weights` (float32,
   bfloat16, float16, or q8_0: every matrix quantized to Q8_0, kept packed), the cache of `--context` slots."""
   if args.weights == "stored":
-    model, _ = Llama.from_gguf(smollm2_path(), args.context, args.device, symbolic=False, dtype="stored",
+    model, _ = Llama.from_gguf(smollm2_path(), args.context, args.device, symbolic=args.symbolic, dtype="stored",
                                sequences=args.sequences)
   else:
     model = random_weight_llama(args)
@@ -297,6 +297,8 @@ def main() -> None:
   parser.add_argument("--cpu-time", action="store_true", help="per-kernel table in this thread's CPU time (a host "
                       "device with OMP_NUM_THREADS=1: figures that other jobs on a shared CPU do not change)")
   parser.add_argument("--context", type=int, default=520, help="decode: cache slots (bench_models.py's 520)")
+  parser.add_argument("--symbolic", action="store_true", help="decode, stored weights: the position a bound Variable "
+                      "(attention reads only the cache slots in use: Llama(symbolic=True))")
   parser.add_argument("--layers", type=int, default=0, help="fewer layers (a smoke test); 0: the model's")
   parser.add_argument("--repeats", type=int, default=5, help="launches per kernel for the per-kernel table")
   parser.add_argument("--no-table", action="store_true", help="only the profiled replay (under ncu)")

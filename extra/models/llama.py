@@ -375,11 +375,13 @@ class LlamaBlock:
     return self._feed_forward(x, attended.reshape(batch, length, config.dim))
 
   def decode(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, visible: int | Node,
-             mask: Tensor | None) -> Tensor:
+             mask: Tensor | None, used: Node | None = None) -> Tensor:
     """One token of each sequence x (S, 1, dim): its K and V go to its cache row where `write` (S, max_context, 1, 1)
     is True, and it attends to the first `visible` cached positions (a bound Variable `position + 1`, or the whole
-    cache with an additive `mask` (S, max_context) hiding each row's unwritten tail). Grouped-query attention by
-    folding the query heads that share a KV head into one axis: the keys are read once per KV head, never repeated."""
+    cache with an additive `mask` (S, max_context) hiding each row's unwritten tail). `used` (a bound Variable, with
+    the whole cache: at least every row's position + 1): the cache is read as shrunk to the slots in use and padded
+    back, a fixed shape whose mask ends the products' reduce loops there (codegen/bounded_loops.py). Grouped-query
+    attention by folding the query heads that share a KV head into one axis: the keys are read once per KV head."""
     config = self.config
     kv_heads, head_dim = config.n_kv_heads, config.head_dim
     group = config.n_heads // kv_heads
@@ -397,6 +399,10 @@ class LlamaBlock:
     # shrink, not indexing: Python slices cannot hold a symbolic bound
     sequences = x.shape[0]
     keys, values = keys.shrink((None, (0, visible), None, None)), values.shrink((None, (0, visible), None, None))
+    if used is not None:   # zeros past the slots in use (read as the mask's 0s, not loaded): the shape stays fixed
+      unused = (None, (0, self.cache.shape[1] - used), None, None)
+      keys = keys.shrink((None, (0, used), None, None)).pad(unused)
+      values = values.shrink((None, (0, used), None, None)).pad(unused)
     keys, values = keys.permute(0, 2, 3, 1), values.permute(0, 2, 1, 3)  # (S, kv, hd, visible), (S, kv, visible, hd)
     scores = q.reshape(sequences, kv_heads, group, head_dim) @ keys * (1.0 / math.sqrt(head_dim))  # (S, kv, g, vis)
     if mask is not None: scores = scores + mask.reshape(sequences, 1, 1, -1)
@@ -423,6 +429,10 @@ class Llama:
     self.device = self.embedding.device
     self.symbolic = symbolic
     self.position = Variable("position", 0, max_context - 1)
+    # fixed shapes on a host device: the slots in use (every sequence's position + 1 at most), bound at each step so
+    # that attention's loops end there (`LlamaBlock.decode`); a GPU reads the whole cache (one graph launch a step)
+    self.used = Variable("used", 1, max_context)
+    self.bounded_reads = not symbolic and not self.blocks[0].recompute_rows
     self.slots = Tensor(np.arange(max_context, dtype=np.int32), device=self.device).realize()  # cache slot numbers
     vocab = self.output.shape[0]
     self.countdown = Tensor(np.arange(vocab, 0, -1, dtype=np.int32), device=self.device).realize()  # vocab - index
@@ -540,17 +550,21 @@ class Llama:
     return rms_norm(x[0][last], self.norm, self.config.norm_eps).linear(as_tensor(self.output))
 
   def _step_graph(self, step: Tensor, position: Variable | None) -> Tensor:
-    """`_decode_graph` of the host-made step (S, 2) int32: each sequence's token and position, one upload a step."""
+    """`_decode_graph` of the host-made step (S, 2) int32: each sequence's token and position, one upload a step.
+    `position`: the bound position (symbolic), the bound slots in use (`bounded_reads`), or None."""
+    if self.bounded_reads: return self._decode_graph(step[:, :1], step[:, 1], None, position)
     return self._decode_graph(step[:, :1], step[:, 1], position)
 
-  def _decode_graph(self, tokens: Tensor, positions: Tensor, position: Variable | None) -> Tensor:
+  def _decode_graph(self, tokens: Tensor, positions: Tensor, position: Variable | None,
+                    used: Variable | None = None) -> Tensor:
     """The logits (S, vocab) of one token per sequence `tokens` (S, 1) at `positions` (S,), both int32 on the
     device: symbolic (`position` a bound Variable, attention over the first position + 1 cache slots) or fixed-shape
     (`position` None, attention over the whole cache with an additive mask hiding each row's unwritten tail). The
     rope angles are gathered from tables and the cache-write marks and the mask compared here, inside the kernels
     that read them: a step's only host input is its tokens and positions (made on the host they were 5 copies and
     ~140 us of numpy a step on the 2-core CPU). Either way the cache write is the `where` of the write marks: a
-    kernel of fixed shape that the optimizer handles (a symbolic write mask would make it a plain loop nest)."""
+    kernel of fixed shape that the optimizer handles (a symbolic write mask would make it a plain loop nest).
+    `used` (fixed shapes, a bound Variable): the slots in use, where attention's loops end (`LlamaBlock.decode`)."""
     visible: int | Node = self.max_context if position is None else position + 1
     slots, at = self.slots.reshape(1, -1), positions.reshape(-1, 1)
     write = (slots == at).reshape(self.sequences, self.max_context, 1, 1)
@@ -559,7 +573,7 @@ class Llama:
     # -inf past each row's position: one compare and a where, cheap enough to recompute in the kernels that read it
     # (`slots <= at` was a compare and a negation, and the scheduler stored the mask by a kernel of its own)
     mask = (at < slots).where(-math.inf, 0.0) if position is None else None
-    for block in self.blocks: x = block.decode(x, cos, sin, write, visible, mask)
+    for block in self.blocks: x = block.decode(x, cos, sin, write, visible, mask, used)
     # stored by the last down projection's kernel (its residual add in the epilogue, as in every block): read by the
     # final norm's row kernel, which would otherwise refuse the product's reduce and leave the add a kernel of its own
     x = x.contiguous()[:, -1, :]
@@ -578,7 +592,7 @@ class Llama:
     """The first index of each row's max, (S,) int32 (`packed_argmax`)."""
     return packed_argmax(logits, self.countdown)
 
-  def _resident_graph(self) -> Tensor:
+  def _resident_graph(self, used: Variable | None) -> Tensor:
     """One greedy step fed from and back to device buffers (`generate_greedy`): each sequence's token (S, 1) and
     position (S,) are read from the state (`_decode_graph`); the argmax becomes the next step's token, also kept in
     the history at the position it will be fed at, and the positions advance. No host input, nothing read back."""
@@ -586,7 +600,7 @@ class Llama:
     assert state is not None
     positions, slots = state["positions"], self.slots.reshape(1, -1)
     at = positions.reshape(-1, 1)
-    logits = self._decode_graph(state["tokens"], positions, None)
+    logits = self._decode_graph(state["tokens"], positions, None, used)
     ids = self._argmax(logits).reshape(-1, 1)
     state["history"].assign((slots == at + 1).where(ids, state["history"]))
     state["tokens"].assign(ids)
@@ -600,7 +614,7 @@ class Llama:
     TinyJit of no inputs), the host launches them without waiting, and the ids are read back once at the end.
     Stop tokens are not looked for: a caller that needs them asks for a few steps at a time."""
     positions = self._start_resident("generate_greedy", token, position, steps)
-    for _ in range(steps): self._resident_jit()
+    for step in range(steps): self._resident_jit(self._resident_used(positions, step))
     assert self._resident is not None
     history = self._resident["history"].numpy()
     return [history[row, p + 1:p + 1 + steps].tolist() for row, p in enumerate(positions)]
@@ -613,15 +627,20 @@ class Llama:
     (`Buffer.read_later`), so the device never waits for the host's round trip. A caller that stops after step N
     leaves step N+1 computed: its cache write lands past the caller's last position, where a later prompt's write
     replaces it and no step reads it before."""
-    self._start_resident("stream_greedy", token, position, steps)
+    positions = self._start_resident("stream_greedy", token, position, steps)
     pending: deque[PendingRead] = deque()
     try:
-      for _ in range(steps):
-        pending.append(self._resident_jit()._buffer().read_later())
+      for step in range(steps):
+        pending.append(self._resident_jit(self._resident_used(positions, step))._buffer().read_later())
         if len(pending) > 1: yield pending.popleft().numpy().tolist()
       while pending: yield pending.popleft().numpy().tolist()
     finally:
       while pending: pending.popleft().numpy()   # a caller that stopped early: its pinned copy slots go back
+
+  def _resident_used(self, positions: list[int], step: int) -> Variable | None:
+    """The slots in use at a fed-back run's `step` (`bounded_reads`): the positions advance by one a step, so the host
+    knows them without reading the device."""
+    return self.used.bind(max(positions) + step + 1) if self.bounded_reads else None
 
   def _start_resident(self, caller: str, token: int | Sequence[int], position: int | Sequence[int],
                       steps: int) -> list[int]:
@@ -681,7 +700,8 @@ class Llama:
       raise ValueError(f"a symbolic decode attends to one length for all sequences, got positions {positions}: "
                        "construct the model with symbolic=False for sequences at different positions")
     self._step_host[:, 0], self._step_host[:, 1] = tokens, positions
-    bound = self.position.bind(positions[0]) if self.symbolic else None
+    bound = self.position.bind(positions[0]) if self.symbolic else \
+      self.used.bind(max(positions) + 1) if self.bounded_reads else None
     return self._upload_step(), bound
 
   def _upload_step(self) -> Tensor:

@@ -18,6 +18,7 @@ import itertools
 import math
 from typing import Callable, Iterable, Sequence
 
+from ourgrad.codegen.bounded_loops import bounded_reduce_end, without_implied
 from ourgrad.codegen.halo_tiles import HaloTileFill, HaloWindow
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.matmul_operands import is_plain_load
@@ -79,6 +80,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     self.halo_valid: dict = {}
     self.fragment_loads: dict[tuple, UOp] = {}   # LDMATRIX of the tensor-core tiles in this reduce step
     self.hoisted_gate: UOp | None = None   # the IF of a gated store's condition, opened among the loops
+    self.implied_valid: frozenset[Node] = frozenset()   # mask conditions a bounded reduce loop's end implies
 
   # ---------------------------------------------------------------- symbolic index math -> UOps
 
@@ -178,8 +180,13 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       if async_stages: self._copy_first_tile_steps(tiles, axis_idxs, async_stages)
       if kernel.group_dims and not tiles and len(output_lanes) <= PREFETCHED_EPILOGUE_LANES:
         self._prefetch_epilogue(axis_idxs, output_lanes)
-      reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE)
-                      for axis in range(kernel.first_loop_reduce, kernel.first_upcast)]
+      loop_axes = range(kernel.first_loop_reduce, kernel.first_upcast)
+      # a SUM of terms that a Variable-bounded mask zeroes ends where the mask does (codegen/bounded_loops.py); a
+      # host loop nest only: GPU threads would each run their own count (divergent loops, left to the full loop)
+      bounded = len(loop_axes) == 1 and not tiles and not kernel.group_dims and not kernel.renderer.has_threads
+      bound = self._bounded_end(axis_idxs, output_lanes) if bounded else None
+      end, self.implied_valid = bound if bound is not None else (None, frozenset())
+      reduce_loops = [self._open_loop(f"ridx{axis}", shape[axis], AxisType.REDUCE, end) for axis in loop_axes]
       next_tiles = []
       if async_stages: self._copy_next_tile_step(tiles, axis_idxs, async_stages)
       elif pipelined:   # load step r + 1 now (wrapping to 0 at the end: in bounds, never read), store it after the math
@@ -205,6 +212,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       # a load the kernel's epilogue shares with the reduce reads global memory there
       self.tiles, self.tile_offsets = {}, {}
       for loop in reversed(reduce_loops): build.end_range(loop)
+      self.implied_valid = frozenset()
 
     combined: dict[tuple[int, ...], UOp] = dict(accumulators)
     store_if = None
@@ -512,8 +520,20 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       var = variables[name]
       self.loop_vars[name] = self.builder.add(UOps.DEFINE_VAR, INDEX_DTYPE, (), (name, var.min, var.max))
 
-  def _open_loop(self, name: str, size: int | Node, kind: AxisType) -> UOp:
-    end = self.node_to_uop(size) if is_symbolic(size) else self._int(size)
+  def _bounded_end(self, axis_idxs: list[Node],
+                   output_lanes: list[tuple[int, ...]]) -> tuple[UOp, frozenset[Node]] | None:
+    """The end of the kernel's one reduce loop where bounded_loops.py finds one (over every output and unroll lane)."""
+    kernel, axis = self.kernel, self.kernel.first_loop_reduce
+    size = kernel.full_shape[axis]
+    if is_symbolic(size): return None
+    unroll_lanes = list(itertools.product(*[range(kernel.full_shape[a]) for a in kernel.unroll_axes]))
+    lanes = [self._fill_lanes(axis_idxs, kernel.upcast_axes, lane, kernel.unroll_axes, unroll)
+             for lane in output_lanes for unroll in unroll_lanes]
+    return bounded_reduce_end(self, axis, size, lanes)
+
+  def _open_loop(self, name: str, size: int | Node, kind: AxisType, end: UOp | None = None) -> UOp:
+    """A loop over [0, size), or [0, end) where `end` (a UOp at most size) is given."""
+    if end is None: end = self.node_to_uop(size) if is_symbolic(size) else self._int(size)
     loop = self.builder.add(UOps.RANGE, INDEX_DTYPE, (self._int(0), end), (name, kind))
     self.loop_vars[name] = loop
     return loop
@@ -535,6 +555,7 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
   def _index(self, leaf_number: int, idxs: list[Node]) -> tuple[UOp, UOp | None]:
     """(index, valid) uops of a leaf's view; valid is None where always true."""
     index_node, valid_node = self._index_nodes(leaf_number, idxs)
+    if self.implied_valid: valid_node = without_implied(valid_node, self.implied_valid)
     valid = None if (isinstance(valid_node, NumNode) and valid_node.b == 1) else valid_node
     if isinstance(valid_node, NumNode) and valid_node.b == 0: index_node = NumNode(0)
     return self.node_to_uop(index_node), (self.node_to_uop(valid) if valid is not None else None)

@@ -38,6 +38,7 @@ from ourgrad.codegen.wgmma_tiles import WgmmaMatmul
 from ourgrad.helpers import NOOPT
 from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
 from ourgrad.renderer import Renderer
+from ourgrad.shape.symbolic import is_symbolic
 
 # every kind of kernel a schedule item lowers to
 AnyKernel = Kernel | PackedKernel | IndexAccumulateKernel | AttentionKernel | AttentionGradKernel
@@ -156,16 +157,27 @@ def ast_is_symbolic(ast: LazyOp) -> bool:
   return any(isinstance(node.arg, (MemBuffer, ConstBuffer)) and node.arg.st.symbolic for node in ast.walk())
 
 
+def ast_has_symbolic_shape(ast: LazyOp) -> bool:
+  """Whether a leaf's view has a symbolic size, stride or offset: a symbolic mask bound alone (a fixed-shape view of
+  a tensor shrunk to a bound Variable and padded back, `Tensor.pad` of a symbolic amount) leaves every size known."""
+  return any(isinstance(node.arg, (MemBuffer, ConstBuffer)) and _shape_symbolic(node.arg.st) for node in ast.walk())
+
+
+def _shape_symbolic(st: Any) -> bool:
+  return any(is_symbolic(value) for view in st.views for value in (*view.shape, *view.strides, view.offset))
+
+
 def build_kernel(ast: LazyOp, renderer: Renderer, search: Callable[[Kernel], Kernel] | None = None) -> AnyKernel:
   """The kernel of `ast` for `renderer` with the opts it runs with (its kind's OptPolicy): for a loop nest the
-  hand-coded ones, or `search(kernel)`'s (BEAM) where given; none with NOOPT=1 or a symbolic view (the optimizations
-  split and pad sizes they must know)."""
+  hand-coded ones, or `search(kernel)`'s (BEAM) where given; none with NOOPT=1 or a symbolic size, stride or offset
+  (the optimizations split and pad sizes they must know: a Variable only in a mask bound leaves them known)."""
   kind = kind_of_ast(ast)
   kernel = kind.build(ast, renderer)
   if kind.opts is OptPolicy.OWN_PLAN: return kernel
   if kind.opts is OptPolicy.SEARCHED:
-    if NOOPT or ast_is_symbolic(ast): return kernel
-    if search is not None: return search(kernel)
+    if NOOPT or ast_has_symbolic_shape(ast): return kernel
+    # BEAM times candidates without the Variables' values: a Variable-bounded mask keeps the hand-coded opts
+    if search is not None and not ast_is_symbolic(ast): return search(kernel)
   kernel.hand_coded_optimizations()
   return kernel
 

@@ -122,10 +122,18 @@ class VectorPlan:
     if load is not None:
       buffer, base, offset, step = load
       start = f"{ref(base)}+{offset}" if base is not None else str(offset)
-      if step == 1: return f"(*(const {self.type}_u*)({ref(buffer)}+({start})))"
-      # lanes a fixed stride apart (a transposed operand): the vector is built from scalar loads, once per update
-      elements = ", ".join(f"{ref(buffer)}[{start}+{lane * step}]" for lane in range(self.width))
-      return f"(({self.type}){{{elements}}})"
+      valids = _lane_valids(lanes)
+      zero = f"({self.type}){{0}}"
+      if step == 1 and (valids is None or _uniform(valids)):
+        # one validity for every lane (a reduce loop's bound): the vector is loaded only where it holds
+        loaded = f"(*(const {self.type}_u*)({ref(buffer)}+({start})))"
+        return loaded if valids is None else f"(({ref(valids[0])}) ? {loaded} : {zero})"
+      # lanes a fixed stride apart (a transposed operand), or masked lane by lane: the vector is built from scalar
+      # loads, once per update, each masked one read only where it is valid (0 elsewhere, as its scalar load)
+      elements = [f"{ref(buffer)}[{start}+{lane * step}]" for lane in range(self.width)]
+      if valids is not None:
+        elements = [f"(({ref(valid)}) ? {element} : 0.0f)" for valid, element in zip(valids, elements)]
+      return f"(({self.type}){{{', '.join(elements)}}})"
     first = lanes[0]
     operands = [[uop.srcs[position] for uop in lanes] for position in range(len(first.srcs))]
     if first.op is UOps.ALU and first.arg in VECTOR_INFIX:   # a scalar operand of + or * is broadcast by C itself
@@ -184,11 +192,12 @@ def _uniform(lanes: list[UOp]) -> bool:
 
 
 def _lane_load(lanes: list[UOp]) -> tuple[UOp, UOp | None, int, int] | None:
-  """(buffer, base, offset, step) where lane j loads float32 element base+offset+j*step of one buffer, unmasked
-  (step 1: neighbouring elements, one vector load); else None."""
+  """(buffer, base, offset, step) where lane j loads float32 element base+offset+j*step of one buffer (step 1:
+  neighbouring elements, one vector load), each unmasked or masked (`_lane_valids`); else None."""
   first = lanes[0]
-  if any(uop.op is not UOps.LOAD or uop.arg is not None or len(uop.srcs) != 2 or uop.srcs[0] is not first.srcs[0]
-         for uop in lanes) or first.dtype != dtypes.float32:
+  if first.dtype != dtypes.float32 or any(uop.op is not UOps.LOAD or uop.arg is not None or
+                                         len(uop.srcs) != len(first.srcs) or len(uop.srcs) not in (2, 3) or
+                                         uop.srcs[0] is not first.srcs[0] for uop in lanes):
     return None
   base, offset = _base_and_offset(first.srcs[1])
   second_base, second_offset = _base_and_offset(lanes[1].srcs[1])
@@ -197,6 +206,11 @@ def _lane_load(lanes: list[UOp]) -> tuple[UOp, UOp | None, int, int] | None:
   for lane, uop in enumerate(lanes[2:], start=2):
     if _base_and_offset(uop.srcs[1]) != (base, offset + lane * step): return None
   return first.srcs[0], base, offset, step
+
+
+def _lane_valids(lanes: list[UOp]) -> list[UOp] | None:
+  """Each lane's validity where `_lane_load`'s loads are masked (a load outside its mask reads 0), else None."""
+  return [uop.srcs[2] for uop in lanes] if len(lanes[0].srcs) == 3 else None
 
 
 def _base_and_offset(index: UOp) -> tuple[UOp | None, int]:
