@@ -25,7 +25,16 @@ from ourgrad.codegen.attention_backward_plan import DQ_KERNEL, AttentionBackward
 from ourgrad.codegen.wgmma_tiles import CExpr, accumulator_position
 
 PRELUDE = r"""
-#include <math.h>
+// the C math functions the kernels call, declared here (g++ knows them as builtins): <math.h> in C++ brings
+// libstdc++'s <cmath>, 20,000 lines whose parsing was a third of a kernel's compile
+extern "C" {
+float exp2f(float); float expf(float); float log2f(float); float logf(float); float fmaf(float, float, float);
+float fmaxf(float, float); float fminf(float, float); float fabsf(float); float sqrtf(float); float floorf(float);
+float ceilf(float); float rintf(float); float roundf(float); float truncf(float); float ldexpf(float, int);
+float powf(float, float); float tanhf(float); float copysignf(float, float);
+}
+#define INFINITY __builtin_inff()
+#define NAN __builtin_nanf("")
 #include <string.h>
 #include <stdio.h>
 #include <stdlib.h>
