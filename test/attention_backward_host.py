@@ -1,14 +1,17 @@
 """Run the attention backward kernels' CUDA source on the CPU: a test harness, not a device.
 
 The source of codegen/attention_backward.py is compiled with g++ as C++ after a prelude that defines CUDA's keywords
-away and gives each CUDA thread of a block a host thread: __syncthreads and __syncwarp are barriers, __shfl_xor_sync
-swaps through per-warp slots. The PTX helpers (`instruction_helpers`) are replaced by host versions: the conversions
+away and gives each CUDA thread of a block a fiber (switched at its waits: a barrier's generation, an mbarrier's
+phase; a wait no thread can end is reported as the hang it is on the GPU): __syncthreads and __syncwarp are barriers,
+__shfl_xor_sync swaps through per-warp slots. The binaries are cached by source (`host_binary`).
+The PTX helpers (`instruction_helpers`) are replaced by host versions: the conversions
 round as cvt does, and `mma` gathers the 32 lanes' fragments of one warp (by the maps of codegen/tensor_cores.py),
 rebuilds A and B, and gives each lane its elements of A @ B + C. So the kernels' own index math, masks, tiles,
 barriers and fragment loads run as written; a wrong one gives wrong numbers here as on the GPU.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -22,15 +25,20 @@ from ourgrad.codegen.attention_backward_plan import DQ_KERNEL, AttentionBackward
 from ourgrad.codegen.wgmma_tiles import CExpr, accumulator_position
 
 PRELUDE = r"""
-#include <math.h>
+// the C math functions the kernels call, declared here (g++ knows them as builtins): <math.h> in C++ brings
+// libstdc++'s <cmath>, 20,000 lines whose parsing was a third of a kernel's compile
+extern "C" {
+float exp2f(float); float expf(float); float log2f(float); float logf(float); float fmaf(float, float, float);
+float fmaxf(float, float); float fminf(float, float); float fabsf(float); float sqrtf(float); float floorf(float);
+float ceilf(float); float rintf(float); float roundf(float); float truncf(float); float ldexpf(float, int);
+float powf(float, float); float tanhf(float); float copysignf(float, float);
+}
+#define INFINITY __builtin_inff()
+#define NAN __builtin_nanf("")
 #include <string.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <algorithm>
-#include <condition_variable>
-#include <mutex>
-#include <thread>
-#include <vector>
+#include <ucontext.h>
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -39,16 +47,28 @@ PRELUDE = r"""
 #define __align__(n)
 #define __shared__
 struct Dim3 { int x, y, z; };
-thread_local Dim3 threadIdx, blockIdx;
-Dim3 blockDim, gridDim;
-using std::min;
+Dim3 threadIdx, blockIdx, blockDim, gridDim;   // threadIdx: the running fiber's, set by run_block at each switch
+template <class T> inline T min(T a, T b) { return b < a ? b : a; }
+// The CUDA threads of a block are fibers of one host thread: each runs until it waits (a barrier, an mbarrier's
+// phase), then the next runs. No locks are needed (a fiber is never interrupted between waits), a switch costs no
+// system call's wake-up, and a wait no thread can end (a whole round of the block's fibers with no wait passed) is
+// the GPU's hang: reported, not waited for
+struct Fiber { ucontext_t context; char* stack; bool done; };
+const int FIBER_STACK = 1 << 18;
+Fiber* fibers; int running;
+ucontext_t scheduler_context;
+unsigned long long progress;   // waits passed, fibers started and finished
+inline void fiber_yield() { swapcontext(&fibers[running].context, &scheduler_context); }
+template <class Ready> inline void wait_until(Ready ready) {
+  while (!ready()) fiber_yield();
+  progress++;
+}
 struct Barrier {
-  std::mutex mutex; std::condition_variable wake; int count = 0, waiting = 0, generation = 0;
+  int count = 0, waiting = 0, generation = 0;
   void wait() {
-    std::unique_lock<std::mutex> lock(mutex);
-    int mine = generation;
-    if (++waiting == count) { waiting = 0; generation++; wake.notify_all(); }
-    else wake.wait(lock, [&] { return mine != generation; });
+    const int mine = generation;
+    if (++waiting == count) { waiting = 0; generation++; }
+    wait_until([&] { return mine != generation; });
   }
 };
 struct WarpSlots { unsigned a[32][4]; unsigned b[32][2]; float value[32]; const void* row[32]; };
@@ -251,8 +271,8 @@ inline void wgmma_scores(float* acc, unsigned long long a, unsigned long long b,
 inline void wgmma_values(float* acc, const unsigned* a, unsigned long long b, int accumulate) {
   host_wgmma(acc, a, b, HEAD_DIM, true, accumulate); }
 // the single pass (plan.dq_accumulate): dQ += dS K with A (the dS tile) through its K-major descriptor, and the
-// float32 reductions into dq_accum (the blocks run one after another here; the threads of a block do not, so the
-// additions take a lock)
+// float32 reductions into dq_accum (the blocks run one after another here, a block's fibers switch only at waits:
+// the additions need no lock)
 inline void wgmma_values(float* acc, unsigned long long a, unsigned long long b, int accumulate) {
   const int thread = threadIdx.x % 128;
   for (int i = 0; i < HEAD_DIM / 2; i++) {
@@ -275,21 +295,18 @@ inline void stmatrix_x4_trans(unsigned address, const unsigned (&r)[4]) {
   }
   __syncwarp();
 }
-std::mutex reduction_lock;
 inline void red_add2(float* address, float first, float second) {
-  std::lock_guard<std::mutex> hold(reduction_lock); address[0] += first; address[1] += second; }
+  address[0] += first; address[1] += second; }
 inline void red_add4(float* address, float first, float second, float third, float fourth) {
-  std::lock_guard<std::mutex> hold(reduction_lock);
   address[0] += first; address[1] += second; address[2] += third; address[3] += fourth; }
 inline void bulk_reduce_add(float* target, unsigned source, unsigned bytes) {   // at once: nothing in flight
-  std::lock_guard<std::mutex> hold(reduction_lock);
   const float* values = (const float*)(attention_shared + source);
   for (unsigned i = 0; i < bytes / 4; i++) target[i] += values[i]; }
 inline void bulk_commit() {}
 inline void bulk_wait_read() {}
 inline void bulk_wait_all() {}
 inline unsigned atomicAdd(unsigned* address, unsigned value) {
-  std::lock_guard<std::mutex> hold(reduction_lock); unsigned old = *address; *address += value; return old; }
+  unsigned old = *address; *address += value; return old; }
 inline void __threadfence() {}
 inline float4 __ldcg(const float4* address) { return *address; }
 """
@@ -299,22 +316,20 @@ inline float4 __ldcg(const float4* address) { return *address; }
 # once, so a cp.async arrival is an arrival; an mbarrier counts arrivals to its phase's end, a wait for a parity
 # returns once the current phase has the other one
 PRODUCER_HOST_HELPERS = r"""
-struct HostMbarrier { std::mutex mutex; std::condition_variable wake; unsigned expected = 0, pending = 0, phase = 0; };
+struct HostMbarrier { unsigned expected = 0, pending = 0, phase = 0; };
 HostMbarrier host_mbarriers[64];
 inline HostMbarrier& mbarrier_at(unsigned bar) { return host_mbarriers[(bar / 8) % 64]; }
 inline void mbarrier_init(unsigned bar, unsigned count) {
   HostMbarrier& m = mbarrier_at(bar);
-  std::lock_guard<std::mutex> hold(m.mutex); m.expected = m.pending = count; m.phase = 0; }
+  m.expected = m.pending = count; m.phase = 0; }
 inline void mbarrier_arrive(unsigned bar) {
   HostMbarrier& m = mbarrier_at(bar);
-  std::lock_guard<std::mutex> hold(m.mutex);
-  if (--m.pending == 0) { m.pending = m.expected; m.phase++; m.wake.notify_all(); }
+  if (--m.pending == 0) { m.pending = m.expected; m.phase++; }
 }
 inline void copy_async_arrive(unsigned bar) { mbarrier_arrive(bar); }
 inline void mbarrier_wait(unsigned bar, unsigned parity) {
   HostMbarrier& m = mbarrier_at(bar);
-  std::unique_lock<std::mutex> lock(m.mutex);
-  m.wake.wait(lock, [&] { return (m.phase & 1u) != parity; });
+  wait_until([&] { return (m.phase & 1u) != parity; });
 }
 inline void copy_async_4_shared(unsigned target, const void* source, bool inside) {
   if (inside) memcpy(attention_shared + target, source, 4); else memset(attention_shared + target, 0, 4); }
@@ -336,7 +351,7 @@ def wgmma_host_helpers(scores_n: int, head_dim: int) -> str:
 
 def host_source(plan: AttentionBackwardPlan, launch: KernelLaunch) -> str:
   """The kernel's source as a C++ program: it reads its buffers from the files named on its command line (in the
-  kernel's argument order), runs every block of the grid (one host thread per CUDA thread) and writes them back."""
+  kernel's argument order), runs every block of the grid (one fiber per CUDA thread) and writes them back."""
   device_helpers = instruction_helpers(plan.dtype)
   if device_helpers not in launch.source: raise AssertionError("the kernel source has no instruction helpers")
   host_helpers = HOST_CONVERSIONS[plan.dtype] + ("" if plan.dtype == "float32" else PACKED_OPERANDS) + HOST_EXP2
@@ -355,42 +370,68 @@ def host_source(plan: AttentionBackwardPlan, launch: KernelLaunch) -> str:
       source = source.replace(device_producer, PRODUCER_HOST_HELPERS)
   source = source.replace("extern __shared__ __align__(16) unsigned char shared_bytes[];",
                           "alignas(16) unsigned char shared_bytes[1 << 18];")
-  arguments = ", ".join(f"({ARGUMENT_TYPES[name]}*)buffers[{index}].data()"
+  arguments = ", ".join(f"({ARGUMENT_TYPES[name]}*)buffers[{index}]"
                         for index, name in enumerate(launch.arguments))
   return PRELUDE + source + host_main(f"{launch.name}({arguments})", launch.block[0], (*launch.grid[:2], 1))
 
 
 def host_main(call: str, threads: int, grid: tuple[int, int, int], written: int | None = None) -> str:
-  """A C++ main() that reads the kernel's buffers from the files named on its command line, runs `call` (the kernel
-  on `buffers`) for every block of `grid`, one host thread per CUDA thread of `threads`, and writes the first
-  `written` buffers (all: None) back to their files."""
+  """A C++ main() that reads the kernel's buffers from the files named on its command line (`buffers[i]`), runs
+  `call` (the kernel on them) for every block of `grid`, one fiber per CUDA thread of `threads` (PRELUDE), and writes
+  the first `written` buffers (all: None) back to their files."""
   grid_x, grid_y, grid_z = grid
   return f"""
+unsigned char* buffers[32];
+static void run_thread() {{ {call}; fibers[running].done = true; progress++; }}
+// the block's fibers from their first instruction, in rounds (alternately from the first thread and from the last,
+// so a read that misses its barrier finds the writer not yet run in one order or the other) until all returned
+static void run_block(int threads) {{
+  for (int t = 0; t < threads; t++) {{
+    Fiber& fiber = fibers[t];
+    getcontext(&fiber.context);
+    fiber.context.uc_stack.ss_sp = fiber.stack; fiber.context.uc_stack.ss_size = FIBER_STACK;
+    fiber.context.uc_link = &scheduler_context; fiber.done = false;
+    makecontext(&fiber.context, run_thread, 0);
+  }}
+  for (int live = threads, round = 0; live > 0; round++) {{
+    const unsigned long long before = progress;
+    for (int i = 0; i < threads; i++) {{
+      running = round % 2 ? threads - 1 - i : i;
+      if (fibers[running].done) continue;
+      if (round == 0) progress++;
+      threadIdx = Dim3{{running, 0, 0}};
+      swapcontext(&scheduler_context, &fibers[running].context);
+      if (fibers[running].done) live--;
+    }}
+    if (progress == before) {{
+      fprintf(stderr, "hang: block (%d, %d, %d): %d threads wait and none can go on\\n", blockIdx.x, blockIdx.y,
+              blockIdx.z, live);
+      exit(3);
+    }}
+  }}
+}}
 int main(int argc, char** argv) {{
-  std::vector<std::vector<unsigned char>> buffers;
   for (int index = 1; index < argc; index++) {{
     FILE* file = fopen(argv[index], "rb"); fseek(file, 0, SEEK_END); long size = ftell(file); fseek(file, 0, SEEK_SET);
-    buffers.emplace_back(size + 16);
-    if (fread(buffers.back().data(), 1, size, file) != (size_t)size) return 1;
+    buffers[index - 1] = (unsigned char*)calloc(size + 16, 1);
+    if (fread(buffers[index - 1], 1, size, file) != (size_t)size) return 1;
     fclose(file);
   }}
   const int threads = {threads};
+  fibers = (Fiber*)calloc(threads, sizeof(Fiber));
+  for (int t = 0; t < threads; t++) fibers[t].stack = (char*)malloc(FIBER_STACK);
   blockDim = Dim3{{threads, 1, 1}};
   gridDim = Dim3{{{grid_x}, {grid_y}, {grid_z}}};
   block_barrier.count = threads;
   for (int warp = 0; warp < threads / 32; warp++) warp_barriers[warp].count = 32;
   for (int z = 0; z < {grid_z}; z++) for (int y = 0; y < {grid_y}; y++) for (int x = 0; x < {grid_x}; x++) {{
-    std::vector<std::thread> workers;
-    for (int t = 0; t < threads; t++) workers.emplace_back([&, t] {{
-      threadIdx = Dim3{{t, 0, 0}}; blockIdx = Dim3{{x, y, z}};
-      {call};
-    }});
-    for (std::thread& worker : workers) worker.join();
+    blockIdx = Dim3{{x, y, z}};
+    run_block(threads);
   }}
   for (int index = 1; index < {"argc" if written is None else written + 1}; index++) {{
     FILE* file = fopen(argv[index], "r+b");
     fseek(file, 0, SEEK_END); long size = ftell(file); fseek(file, 0, SEEK_SET);
-    fwrite(buffers[index - 1].data(), 1, size, file); fclose(file);
+    fwrite(buffers[index - 1], 1, size, file); fclose(file);
   }}
   return 0;
 }}
@@ -398,28 +439,58 @@ int main(int argc, char** argv) {{
 
 
 def host_compiler() -> str | None:
-  """g++ when it is installed (the harness needs C++17, threads and _Float16)."""
+  """g++ when it is installed (the harness needs C++17, ucontext and _Float16)."""
   return shutil.which("g++")
+
+
+# -O1: the harness checks values, and -O1 compiles the kernels in about half the CPU time of -O2 while they run about
+# as fast (their time goes to the fibers' switches and the emulated mma)
+HOST_FLAGS = ("-std=c++17", "-O1", "-w")
+
+
+def host_binary(source: str) -> str:
+  """The path of `source` compiled by g++, from a disk cache keyed by the source, the flags and the compiler (under
+  OURGRAD_CACHE_DIR, else ~/.cache/ourgrad): a source that a parametrized case, an xdist worker or an earlier run
+  already compiled is not compiled again. DISABLE_COMPILER_CACHE=1 compiles into a fresh file each time."""
+  compiler = host_compiler()
+  if compiler is None: raise RuntimeError("no g++ to run the kernel on the host")
+  key = hashlib.sha256("\0".join((compiler, *HOST_FLAGS, source)).encode()).hexdigest()[:32]
+  folder = os.path.join(os.environ.get("OURGRAD_CACHE_DIR") or os.path.expanduser("~/.cache/ourgrad"), "host_kernels")
+  os.makedirs(folder, exist_ok=True)
+  binary = os.path.join(folder, key)
+  fresh = os.environ.get("DISABLE_COMPILER_CACHE", "0") not in ("", "0")
+  if fresh or not os.path.exists(binary):
+    # each compile writes its own files, then renames the binary into place: workers compiling the same source at
+    # once leave one whole binary
+    with tempfile.TemporaryDirectory(prefix="ourgrad_host_kernel_", dir=folder) as build:
+      source_path, built = os.path.join(build, "kernel.cpp"), os.path.join(build, "kernel")
+      with open(source_path, "w") as source_file: source_file.write(source)
+      subprocess.run([compiler, *HOST_FLAGS, source_path, "-o", built], check=True, capture_output=True, text=True)
+      if fresh: binary = os.path.join(folder, f"{key}.{os.getpid()}")
+      os.replace(built, binary)
+  return binary
+
+
+def run_binary(binary: str, paths: list[str]) -> None:
+  """Run a harness binary on its buffer files; a failure (a hang reported, an abort) raises with its message."""
+  result = subprocess.run([binary, *paths], capture_output=True, text=True)
+  if result.returncode != 0:
+    raise RuntimeError(f"the host kernel exited with {result.returncode}: {result.stderr.strip()}")
 
 
 def run_on_host(plan: AttentionBackwardPlan, buffers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """Run both kernels of `plan` on flat buffers (numpy arrays, by argument name: q, k, v, o, do, lse, dq, dk, dv,
   delta), in launch order; returns the buffers after the run."""
-  compiler = host_compiler()
-  if compiler is None: raise RuntimeError("no g++ to run the kernels on the host")
   state = {name: np.ascontiguousarray(array).copy() for name, array in buffers.items()}
   with tempfile.TemporaryDirectory(prefix="ourgrad_attention_host_") as folder:
     for launch in launches(plan):
-      source_path, binary_path = os.path.join(folder, f"{launch.name}.cpp"), os.path.join(folder, launch.name)
-      with open(source_path, "w") as source_file: source_file.write(host_source(plan, launch))
-      subprocess.run([compiler, "-std=c++17", "-O1", "-pthread", "-w", source_path, "-o", binary_path], check=True,
-                     capture_output=True, text=True)
+      binary_path = host_binary(host_source(plan, launch))
       paths = []
       for name in launch.arguments:
         path = os.path.join(folder, f"{name}.bin")
         state[name].tofile(path)
         paths.append(path)
-      subprocess.run([binary_path, *paths], check=True, capture_output=True)
+      run_binary(binary_path, paths)
       for name, path in zip(launch.arguments, paths):
         state[name] = np.fromfile(path, dtype=state[name].dtype)
   return state

