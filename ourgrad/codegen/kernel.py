@@ -26,6 +26,7 @@ codegen/opts.py; it is imported from here too.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from ourgrad.codegen.opts import (TC_TILE_PADDING, TC_TILE_STAGES, WGMMA_DEEP, WGMMA_DEFAULT_N,  # noqa: F401
@@ -177,7 +178,8 @@ class Kernel(SharedTileLayout):
     # memoized on the views themselves (ShapeTrackers are frozen; every Opt puts new ones in self.sts): lowering a
     # large kernel asks for it ~80,000 times, and recomputing it was 60% of linearize (BEAM's compile cost)
     cached = self.__dict__.get("_full_shape_memo")
-    if cached is not None and len(cached[0]) == len(self.sts) and all(a is b for a, b in zip(cached[0], self.sts)):
+    # map(is_): the identity test in C (a generator here was a third of this function's time)
+    if cached is not None and len(cached[0]) == len(self.sts) and all(map(operator.is_, cached[0], self.sts)):
       return cached[1]
     shapes = [st.shape for st in self.sts]
     # key=sym_max: a symbolic size (a Node) compares by its largest value; `>` on a Node builds a node, not a bool
@@ -200,8 +202,9 @@ class Kernel(SharedTileLayout):
   @property
   def first_reduce(self) -> int:
     """The first dimension (before the upcasts) that the output does not have."""
+    output_shape, full_shape = self.output_shape, self.full_shape   # once, not per axis: asked ~30 times a kernel
     for axis in range(self.first_upcast):
-      if self.output_shape[axis] != self.full_shape[axis]: return axis
+      if output_shape[axis] != full_shape[axis]: return axis
     return self.first_upcast
 
   @property

@@ -130,6 +130,30 @@ def _give_buffer(base: LazyBuffer) -> None:
     base.realized = Buffer(base.device, base.size, base.dtype)
 
 
+class ChainEnds:
+  """`kernel_of(base_id)`: the base whose kernel `base_id` fuses into, following single-user elementwise chains
+  forward. Every base walked on the way has the same end, so one walk answers the whole chain: without that, asking
+  for each base of a chain of n walks n^2 bases (a long elementwise chain's schedule took seconds). The answers are
+  kept while `realizes` keeps its size: it only grows while the scheduler asks, and a new realization can end a
+  chain earlier, so they are dropped then."""
+
+  def __init__(self, realizes: Realizations, users: dict[int, set[int]], by_id: dict[int, LazyBuffer]):
+    self.realizes, self.users, self.by_id = realizes, users, by_id
+    self._ends: dict[int, int] = {}
+    self._realized_count = len(realizes)
+
+  def __call__(self, base_id: int) -> int:
+    if len(self.realizes) != self._realized_count: self._ends, self._realized_count = {}, len(self.realizes)
+    walked: list[int] = []
+    while base_id not in self._ends and base_id not in self.realizes and len(self.users[base_id]) == 1 and \
+        self.by_id[base_id].op in ELEMENTWISE_OPS:
+      walked.append(base_id)
+      base_id = next(iter(self.users[base_id]))
+    end = self._ends.get(base_id, base_id)
+    for walked_id in walked: self._ends[walked_id] = end
+    return end
+
+
 def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Realizations:
   """The bases that get their own buffer before any kernel is built (by id), each with the reason: the rules that
   need no kernel walk. `_settle_fusion_groups` adds those that come out of walking each kernel's fused region."""
@@ -155,12 +179,7 @@ def _choose_realizes(bases: list[LazyBuffer], outs: Sequence[LazyBuffer]) -> Rea
                                         + (f" (stored as {stored.dtype.name}, before the cast to "
                                            f"{src.base.dtype.name})" if stored is not src.base else ""))
   by_id = {id(base): base for base in bases}
-
-  def kernel_of(base_id: int) -> int:
-    """The base whose kernel `base_id` fuses into, following single-user elementwise chains forward."""
-    while (base_id not in realizes and len(users[base_id]) == 1 and by_id[base_id].op in ELEMENTWISE_OPS):
-      base_id = next(iter(users[base_id]))
-    return base_id
+  kernel_of = ChainEnds(realizes, users, by_id)
 
   for base in bases:
     # a reduce read by users that end up in different kernels would be recomputed by each: compute it once
