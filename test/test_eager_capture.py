@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ourgrad import Device, GlobalCounters, Tensor
+from ourgrad.device import Buffer
 from ourgrad.engine import capture, schedule_cache
 from ourgrad.shape.symbolic import Variable
 from test_jit import _make_training
@@ -189,6 +190,39 @@ def test_a_device_graph_is_told_only_the_arguments_that_changed(monkeypatch):
   x_position = next(position for position, handle in enumerate(graph.nodes[0][1])
                     if handle is x.lazydata.base.realized.handle)
   assert graph.updates and set(graph.updates) == {(0, x_position)}
+
+
+def test_a_device_graph_with_stable_handles_is_told_nothing_until_a_buffer_moves(monkeypatch):
+  """CUDA's planned buffers run on their backing's very handle, so a replay that brings the same memory finds every
+  node's arguments in place (capture._rebind's per-item identity check) and updates none; a buffer that gets other
+  memory between calls (released and written again: a new handle on the same Buffer) is updated, and the values
+  follow it."""
+  monkeypatch.setattr(Device["CLANG"], "graph", FakeDeviceGraph, raising=False)
+  # as CUDA's allocator: a planned buffer's handle is its backing's own object (CLANG's is a new view of it)
+  monkeypatch.setattr(Device["CLANG"].allocator, "shared_handle", lambda handle, nbytes: handle)
+  FakeDeviceGraph.built.clear()
+  rng = np.random.default_rng(4)
+  x = Tensor(rng.standard_normal((4, 6)).astype(np.float32), device="CLANG").realize()
+  weight = Tensor(rng.standard_normal((6, 5)).astype(np.float32), device="CLANG").realize()
+  schedule_cache._cache.clear()
+
+  def step() -> np.ndarray: return (((x @ weight).relu() + 1).contiguous().exp2().sum(1) * 2).numpy()
+  for _ in range(5): step()
+  (graph,) = FakeDeviceGraph.built
+  graph.updates.clear()
+  for _ in range(3): step()
+  assert graph.updates == []
+  data = rng.standard_normal((4, 6)).astype(np.float32)
+  buffer = x.lazydata.base.realized
+  buffer.release_memory()
+  holder = Buffer("CLANG", buffer.size, buffer.dtype).allocate()   # takes x's old memory: x gets other memory
+  buffer.copyin(memoryview(data))
+  assert buffer.handle is not holder.handle
+  got = step()
+  np.testing.assert_allclose(got, np.exp2(np.maximum(data @ weight.numpy(), 0) + 1).sum(1) * 2, rtol=1e-5, atol=1e-5)
+  reads_x = {(index, position) for index, (_, handles) in enumerate(graph.nodes) for position, handle in
+             enumerate(handles) if handle is buffer.handle}
+  assert reads_x and set(graph.updates) == reads_x
 
 
 @needs_capture
