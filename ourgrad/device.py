@@ -261,13 +261,16 @@ class Buffer:
   def use_memory_of(self, backing: Buffer) -> None:
     """Run on the first bytes of `backing`'s memory from now on (the memory planner gives buffers whose lifetimes
     do not overlap one backing buffer). Memory this buffer held before goes back to its allocator."""
-    if backing.device != self.device or backing.nbytes < self.nbytes:
+    # (sizes and the allocator read once: a replayed memory plan runs this for every internal buffer of a step)
+    nbytes = self.size * self.dtype.itemsize
+    if backing.device != self.device or backing.size * backing.dtype.itemsize < nbytes:
       raise ValueError(f"{self!r} cannot use the memory of {backing!r}")
+    allocator = Device[self.device].allocator
     with MEMORY_LOCK:
       if self._handle is not None and self._backing is None:
-        GlobalCounters.mem_used -= self.nbytes
-        Device[self.device].allocator.free(self._handle, max(self.nbytes, 1))
-      self._handle = Device[self.device].allocator.shared_handle(backing.handle, max(self.nbytes, 1))
+        GlobalCounters.mem_used -= nbytes
+        allocator.free(self._handle, max(nbytes, 1))
+      self._handle = allocator.shared_handle(backing.handle, max(nbytes, 1))
       self._backing = backing
       self._pointer = None
 

@@ -346,7 +346,7 @@ def _replay_recorded_plan(schedule: list[ScheduleItem], plans: dict[tuple[int, .
   buffers = layout.buffers(schedule)
   unheld = unheld_buffers(buffers, layout.written, layout.slots)
   if unheld is None: return False
-  pattern = tuple(ordinal for ordinal in unheld if not buffers[ordinal].is_allocated)
+  pattern = tuple(ordinal for ordinal in unheld if buffers[ordinal]._handle is None)   # (is_allocated, no call)
   if len(pattern) < 2: return True   # (as planning: fewer than two internal buffers share nothing)
   recorded = plans.get(pattern)
   if recorded is None: return False
