@@ -185,7 +185,9 @@ def test_a_device_graph_is_told_only_the_arguments_that_changed(monkeypatch):
     got = ((x @ weight).relu().contiguous().sum(1) * 2).numpy()
     np.testing.assert_allclose(got, np.maximum(data @ weight.numpy(), 0).sum(1) * 2, rtol=1e-5, atol=1e-5)
     if call == 5: FakeDeviceGraph.built[-1].updates.clear()
-  (graph,) = FakeDeviceGraph.built
+  # (two more graphs at most: built for the buffers of calls that moved most items, never found again)
+  assert len(FakeDeviceGraph.built) <= 3
+  graph = FakeDeviceGraph.built[-1]
   # the last two calls: only the input x (read by the first kernel) moved
   x_position = next(position for position, handle in enumerate(graph.nodes[0][1])
                     if handle is x.lazydata.base.realized.handle)
@@ -208,7 +210,8 @@ def test_a_device_graph_with_stable_handles_is_told_nothing_until_a_buffer_moves
 
   def step() -> np.ndarray: return (((x @ weight).relu() + 1).contiguous().exp2().sum(1) * 2).numpy()
   for _ in range(5): step()
-  (graph,) = FakeDeviceGraph.built
+  assert len(FakeDeviceGraph.built) <= 3   # (see test_a_device_graph_is_told_only_the_arguments_that_changed)
+  graph = FakeDeviceGraph.built[-1]
   graph.updates.clear()
   for _ in range(3): step()
   assert graph.updates == []
@@ -223,6 +226,38 @@ def test_a_device_graph_with_stable_handles_is_told_nothing_until_a_buffer_moves
   reads_x = {(index, position) for index, (_, handles) in enumerate(graph.nodes) for position, handle in
              enumerate(handles) if handle is buffer.handle}
   assert reads_x and set(graph.updates) == reads_x
+
+
+@pytest.mark.parametrize("blocks", [3, capture.GRAPHS_PER_SCHEDULE + 2])
+def test_blocks_with_their_own_weights_keep_a_device_graph_each(monkeypatch, blocks):
+  """The blocks of a model realized one by one (each with its own weights) replay one schedule: each block gets a
+  graph of its own, bound to its weights, so that a warm call writes no node's arguments; past GRAPHS_PER_SCHEDULE
+  the rest share one graph that is rebound. Every value is numpy's either way."""
+  monkeypatch.setattr(Device["CLANG"], "graph", FakeDeviceGraph, raising=False)
+  monkeypatch.setattr(Device["CLANG"].allocator, "shared_handle", lambda handle, nbytes: handle)   # (as CUDA's)
+  FakeDeviceGraph.built.clear()
+  rng = np.random.default_rng(5)
+  weights = [(Tensor(rng.standard_normal((6, 6)).astype(np.float32), device="CLANG").realize(),
+              Tensor(rng.standard_normal(6).astype(np.float32), device="CLANG").realize()) for _ in range(blocks)]
+  x = Tensor(rng.standard_normal((4, 6)).astype(np.float32), device="CLANG").realize()
+  schedule_cache._cache.clear()
+
+  def forward() -> np.ndarray:
+    h, expected = x, x.numpy()
+    for w, b in weights:
+      h = ((h @ w + b).relu().contiguous() @ w * 0.5).realize()   # (two kernels: a schedule of one is not captured)
+      expected = np.maximum(expected @ w.numpy() + b.numpy(), 0) @ w.numpy() * 0.5
+    np.testing.assert_allclose(h.numpy(), expected, rtol=1e-4, atol=1e-5)
+    return h.numpy()
+  for _ in range(6): forward()   # (graphs are built as parked ones are found again: a few calls)
+  graphs = len(FakeDeviceGraph.built)
+  assert 0 < graphs <= capture.GRAPHS_PER_SCHEDULE + 1   # (+1: a first capture of another generation, if any)
+  for graph in FakeDeviceGraph.built: graph.updates.clear()
+  forward()
+  updates = sum(len(graph.updates) for graph in FakeDeviceGraph.built)
+  assert len(FakeDeviceGraph.built) == graphs   # warm: no graph built
+  if blocks < capture.GRAPHS_PER_SCHEDULE: assert graphs >= blocks - 2 and updates == 0
+  else: assert updates > 0   # (the blocks past the bound rebind one graph)
 
 
 @needs_capture
