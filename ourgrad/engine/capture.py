@@ -17,7 +17,7 @@ docs/jit.md says what was measured).
 """
 from __future__ import annotations
 
-from itertools import chain
+from itertools import chain, compress, repeat
 from operator import attrgetter, is_
 from typing import Any
 
@@ -204,7 +204,6 @@ def _build(state: ScheduleCapture, schedule: list[ScheduleItem]) -> bool:
 # by one replay one schedule: each replay would otherwise rewrite most nodes' arguments, one driver call per node)
 GRAPHS_PER_SCHEDULE = 16
 _inputs_and_outputs = attrgetter("outputs", "inputs")
-_NONE_ID = id(None)
 
 
 def _identity_key(schedule: list[ScheduleItem]) -> tuple[int, ...]:
@@ -230,12 +229,14 @@ def _rebind(state: ScheduleCapture, schedule: list[ScheduleItem]) -> bool:
   host = state.host
   key = None
   if not host:
-    key = _identity_key(schedule)
-    if _NONE_ID in key:   # (fresh outputs get their memory at launch: here, in argument order as the walk below would)
-      for item in schedule:
-        for buffer in chain(item.outputs, item.inputs):
-          if buffer._handle is None: buffer.allocate()
-      key = _identity_key(schedule)
+    # (all in C: the buffers in argument order, their handles, the handles' identities)
+    buffers = list(chain.from_iterable(chain.from_iterable(map(_inputs_and_outputs, schedule))))
+    handles = list(map(_handle_of, buffers))
+    missing = list(map(is_, handles, repeat(None)))   # (by identity: a handle's == may be elementwise, numpy's)
+    if any(missing):   # (fresh outputs get their memory at launch: here, in argument order as the walk below would)
+      for buffer in compress(buffers, missing): buffer.allocate()
+      handles = list(map(_handle_of, buffers))
+    key = tuple(map(id, handles))
     if key == state.key: return True
     parked = state.parked.pop(key, None)
     if parked is not None:
