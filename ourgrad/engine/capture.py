@@ -227,7 +227,7 @@ def _rebind(state: ScheduleCapture, schedule: list[ScheduleItem]) -> bool:
   for item, memo in zip(schedule, memos):
     if item.lowering is not memo: return False
   host = state.host
-  key = None
+  key: tuple[int, ...] | None = None
   if not host:
     # (all in C: the buffers in argument order, their handles, the handles' identities)
     buffers = list(chain.from_iterable(chain.from_iterable(map(_inputs_and_outputs, schedule))))
@@ -273,7 +273,7 @@ def _rebind(state: ScheduleCapture, schedule: list[ScheduleItem]) -> bool:
           graph.set_argument(index, position, argument)
           bound[position] = argument
         position += 1
-  state.key = None if host else _identity_key(schedule)
+  state.key = key   # (the handles read above: every one was allocated then, and the walk only wrote them in)
   return True
 
 
