@@ -26,7 +26,7 @@ from ourgrad.dtype import DType, dtypes
 from ourgrad.errors import DeviceError, OutOfMemoryError
 from ourgrad.shape.symbolic import sym_max
 from ourgrad.helpers import (ALLOCATOR_CACHE_BYTES, COMPILE_CACHE_BYTES, DEVICE, DISABLE_COMPILER_CACHE, EnvSnapshot,
-                             GlobalCounters, cache_dir, fmt_size, register_cache_clearer)
+                             GlobalCounters, cache_dir, environ_lookup, fmt_size, register_cache_clearer)
 
 # user-facing aliases of device names
 DEVICE_ALIASES = {"CPU": "CLANG", "GPU": "OPENCL"}
@@ -106,6 +106,7 @@ MEMORY_LOCK = threading.RLock()
 
 # read at every free (an EnvSnapshot: one dict lookup where the variable's `value` costs a few calls)
 _CACHE_LIMIT = EnvSnapshot(ALLOCATOR_CACHE_BYTES)
+_CACHE_LIMIT_KEY = os.fsencode(ALLOCATOR_CACHE_BYTES.name)
 
 
 class LRUAllocator(Allocator):
@@ -123,6 +124,7 @@ class LRUAllocator(Allocator):
   def __init__(self) -> None:
     self.cache: dict[int, list[Any]] = {}
     self.cached_total = 0
+    self._limit: tuple[Any, int] | None = None   # (ALLOCATOR_CACHE_BYTES's raw text, cache_limit's answer for it)
 
   def alloc(self, nbytes: int) -> Any:
     with MEMORY_LOCK:
@@ -136,8 +138,14 @@ class LRUAllocator(Allocator):
     """The most bytes kept (-1: no limit): ALLOCATOR_CACHE_BYTES, by default (-2) a quarter of the device's memory and
     at least 2 GiB. A fixed 2 GiB on an H200 gave an 824 MB GPT-2 logits buffer back to the device every eager step,
     and cuMemFree waits for the device: the step's Python stalled until its kernels had run (6.7 ms a step)."""
+    # (asked at every free: the answer is kept for the variable's raw text, the same object while it is not set again)
+    raw = environ_lookup(_CACHE_LIMIT_KEY)
+    known = self._limit
+    if known is not None and known[0] is raw: return known[1]
     limit = int(_CACHE_LIMIT.values()[0])
-    return limit if limit != -2 else max(2 << 30, self.device_memory_bytes() // 4)
+    limit = limit if limit != -2 else max(2 << 30, self.device_memory_bytes() // 4)
+    self._limit = (raw, limit)
+    return limit
 
   def free(self, handle: Any, nbytes: int) -> None:
     with MEMORY_LOCK:
@@ -261,13 +269,16 @@ class Buffer:
   def use_memory_of(self, backing: Buffer) -> None:
     """Run on the first bytes of `backing`'s memory from now on (the memory planner gives buffers whose lifetimes
     do not overlap one backing buffer). Memory this buffer held before goes back to its allocator."""
-    if backing.device != self.device or backing.nbytes < self.nbytes:
+    # (sizes and the allocator read once: a replayed memory plan runs this for every internal buffer of a step)
+    nbytes = self.size * self.dtype.itemsize
+    if backing.device != self.device or backing.size * backing.dtype.itemsize < nbytes:
       raise ValueError(f"{self!r} cannot use the memory of {backing!r}")
+    allocator = Device[self.device].allocator
     with MEMORY_LOCK:
       if self._handle is not None and self._backing is None:
-        GlobalCounters.mem_used -= self.nbytes
-        Device[self.device].allocator.free(self._handle, max(self.nbytes, 1))
-      self._handle = Device[self.device].allocator.shared_handle(backing.handle, max(self.nbytes, 1))
+        GlobalCounters.mem_used -= nbytes
+        allocator.free(self._handle, max(nbytes, 1))
+      self._handle = allocator.shared_handle(backing.handle, max(nbytes, 1))
       self._backing = backing
       self._pointer = None
 

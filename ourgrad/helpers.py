@@ -58,6 +58,7 @@ class EnvVar:
   @property
   def value(self) -> Any:
     raw = _ENVIRON_STORE.get(self._key) if _ENVIRON_STORE is not None else os.environ.get(self.name)
+    if raw is None: return self.default   # (unset, the common case: what _parse(None) gives, no lookup)
     parsed = self._parsed
     if raw in parsed: return parsed[raw]
     value = self._parse(raw if raw is None or isinstance(raw, str) else os.fsdecode(raw))

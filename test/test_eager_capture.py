@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ourgrad import Device, GlobalCounters, Tensor
+from ourgrad.device import Buffer
 from ourgrad.engine import capture, schedule_cache
 from ourgrad.shape.symbolic import Variable
 from test_jit import _make_training
@@ -184,11 +185,80 @@ def test_a_device_graph_is_told_only_the_arguments_that_changed(monkeypatch):
     got = ((x @ weight).relu().contiguous().sum(1) * 2).numpy()
     np.testing.assert_allclose(got, np.maximum(data @ weight.numpy(), 0).sum(1) * 2, rtol=1e-5, atol=1e-5)
     if call == 5: FakeDeviceGraph.built[-1].updates.clear()
-  (graph,) = FakeDeviceGraph.built
+  # (two more graphs at most: built for the buffers of calls that moved most items, never found again)
+  assert len(FakeDeviceGraph.built) <= 3
+  graph = FakeDeviceGraph.built[-1]
   # the last two calls: only the input x (read by the first kernel) moved
   x_position = next(position for position, handle in enumerate(graph.nodes[0][1])
                     if handle is x.lazydata.base.realized.handle)
   assert graph.updates and set(graph.updates) == {(0, x_position)}
+
+
+def test_a_device_graph_with_stable_handles_is_told_nothing_until_a_buffer_moves(monkeypatch):
+  """CUDA's planned buffers run on their backing's very handle, so a replay that brings the same memory finds every
+  node's arguments in place (capture._rebind's per-item identity check) and updates none; a buffer that gets other
+  memory between calls (released and written again: a new handle on the same Buffer) is updated, and the values
+  follow it."""
+  monkeypatch.setattr(Device["CLANG"], "graph", FakeDeviceGraph, raising=False)
+  # as CUDA's allocator: a planned buffer's handle is its backing's own object (CLANG's is a new view of it)
+  monkeypatch.setattr(Device["CLANG"].allocator, "shared_handle", lambda handle, nbytes: handle)
+  FakeDeviceGraph.built.clear()
+  rng = np.random.default_rng(4)
+  x = Tensor(rng.standard_normal((4, 6)).astype(np.float32), device="CLANG").realize()
+  weight = Tensor(rng.standard_normal((6, 5)).astype(np.float32), device="CLANG").realize()
+  schedule_cache._cache.clear()
+
+  def step() -> np.ndarray: return (((x @ weight).relu() + 1).contiguous().exp2().sum(1) * 2).numpy()
+  for _ in range(5): step()
+  assert len(FakeDeviceGraph.built) <= 3   # (see test_a_device_graph_is_told_only_the_arguments_that_changed)
+  graph = FakeDeviceGraph.built[-1]
+  graph.updates.clear()
+  for _ in range(3): step()
+  assert graph.updates == []
+  data = rng.standard_normal((4, 6)).astype(np.float32)
+  buffer = x.lazydata.base.realized
+  buffer.release_memory()
+  holder = Buffer("CLANG", buffer.size, buffer.dtype).allocate()   # takes x's old memory: x gets other memory
+  buffer.copyin(memoryview(data))
+  assert buffer.handle is not holder.handle
+  got = step()
+  np.testing.assert_allclose(got, np.exp2(np.maximum(data @ weight.numpy(), 0) + 1).sum(1) * 2, rtol=1e-5, atol=1e-5)
+  reads_x = {(index, position) for index, (_, handles) in enumerate(graph.nodes) for position, handle in
+             enumerate(handles) if handle is buffer.handle}
+  assert reads_x and set(graph.updates) == reads_x
+
+
+@pytest.mark.parametrize("blocks", [3, capture.GRAPHS_PER_SCHEDULE + 2])
+def test_blocks_with_their_own_weights_keep_a_device_graph_each(monkeypatch, blocks):
+  """The blocks of a model realized one by one (each with its own weights) replay one schedule: each block gets a
+  graph of its own, bound to its weights, so that a warm call writes no node's arguments; past GRAPHS_PER_SCHEDULE
+  the rest share one graph that is rebound. Every value is numpy's either way."""
+  monkeypatch.setattr(Device["CLANG"], "graph", FakeDeviceGraph, raising=False)
+  monkeypatch.setattr(Device["CLANG"].allocator, "shared_handle", lambda handle, nbytes: handle)   # (as CUDA's)
+  FakeDeviceGraph.built.clear()
+  rng = np.random.default_rng(5)
+  weights = [(Tensor(rng.standard_normal((6, 6)).astype(np.float32), device="CLANG").realize(),
+              Tensor(rng.standard_normal(6).astype(np.float32), device="CLANG").realize()) for _ in range(blocks)]
+  x = Tensor(rng.standard_normal((4, 6)).astype(np.float32), device="CLANG").realize()
+  schedule_cache._cache.clear()
+
+  def forward() -> np.ndarray:
+    h, expected = x, x.numpy()
+    for w, b in weights:
+      h = ((h @ w + b).relu().contiguous() @ w * 0.5).realize()   # (two kernels: a schedule of one is not captured)
+      expected = np.maximum(expected @ w.numpy() + b.numpy(), 0) @ w.numpy() * 0.5
+    np.testing.assert_allclose(h.numpy(), expected, rtol=1e-4, atol=1e-5)
+    return h.numpy()
+  for _ in range(6): forward()   # (graphs are built as parked ones are found again: a few calls)
+  graphs = len(FakeDeviceGraph.built)
+  cached = [*schedule_cache._cache.values(), *schedule_cache._traced.values()]
+  states = [entry.lowerings[0].capture for entry in cached if entry.lowerings and entry.lowerings[0].capture]
+  assert graphs > 0 and all(len(state.parked) + 1 <= capture.GRAPHS_PER_SCHEDULE for state in states)
+  for graph in FakeDeviceGraph.built: graph.updates.clear()
+  forward()
+  updates = sum(len(graph.updates) for graph in FakeDeviceGraph.built)
+  # warm: fewer blocks than the bound each find their own graph (past it, the rest rebind one: values checked above)
+  if blocks < capture.GRAPHS_PER_SCHEDULE: assert len(FakeDeviceGraph.built) == graphs and updates == 0
 
 
 @needs_capture

@@ -17,15 +17,20 @@ Per workload: the wall time of a step, its Python time, PyTorch eager's step, an
 Python time into phases:
   graph    building the lazy graph (Tensor methods -> Functions -> LazyBuffers -> views), forward and optimizer
   autograd Tensor.backward (the walk over Functions and the gradient graphs they build)
-  key      the schedule cache's structural key: the creation trace's description (schedule_cache._trace_key; the
-           trace's appends are in graph and autograd) or, where the trace cannot describe the realize, the graph walk
+  describe the creation trace's description (lazy_trace.describe: one pass over the bases made since the last
+           schedule; the trace's appends are in graph and autograd)
+  key      the rest of the schedule cache's structural key (schedule_cache._trace_key: the outputs' positions, the
+           tuple and its hash) or, where the trace cannot describe the realize, the graph walk
            (schedule_cache._structure)
-  schedule the rest of scheduling: replaying a cached schedule (or scheduling a miss), snapshots and packing
-  lower    lowering ScheduleItems to ExecItems (compiled-kernel cache lookups) and planning memory
+  lookup   the rest of scheduling: the cache lookup, snapshots and packing (or scheduling a miss)
+  replay   rebinding a cached schedule to this graph's buffers (schedule_cache._replay: fresh buffers, ScheduleItems)
+  memory   the memory plan (realize.plan_schedule_memory: a recorded plan replayed on a hit)
+  lower    lowering ScheduleItems to ExecItems (compiled-kernel cache lookups) and the compile note
+  rebind   a captured schedule's argument check (capture._rebind: each argument compared with the graph's)
   launch   ExecItem.run or a replayed item's launcher (realize.launch_replayed): passing the arguments and the
            ctypes/driver call (the kernel itself excluded on the CPU), and a captured schedule's graph launch
            (engine/capture.py run_captured; EAGER_CAPTURE=0 launches item by item)
-  other    the rest of realize (locks, the per-device split)
+  other    the rest of realize (locks, the per-device split, freeing the last call's buffers)
 Python time: on CUDA the host time of the calls (launches are asynchronous); on CPU devices, where kernels run on the
 calling thread, the wall time with every compiled kernel replaced by a no-op; beside it the thread's CPU time
 (time.thread_time) of the same calls, which a shared machine's other processes barely move: compare runs by it. The
@@ -66,14 +71,17 @@ from ourgrad.helpers import GC_FREEZE_IMPORT  # noqa: E402
 PHASE_FUNCTIONS = {
   "autograd": [("ourgrad/tensor.py", "backward")],
   "realize": [("ourgrad/tensor.py", "realize")],
+  "describe": [("ourgrad/lazy_trace.py", "describe")],
   "key": [("ourgrad/engine/schedule_cache.py", "_structure"), ("ourgrad/engine/schedule_cache.py", "_trace_key")],
   "schedule": [("ourgrad/engine/schedule_cache.py", "schedule")],
-  "lower": [("ourgrad/engine/realize.py", "lower_schedule_item"), ("ourgrad/engine/realize.py", "plan_schedule_memory"),
-            ("ourgrad/engine/realize.py", "note_compiles")],
+  "replay": [("ourgrad/engine/schedule_cache.py", "_replay")],
+  "memory": [("ourgrad/engine/realize.py", "plan_schedule_memory")],
+  "lower": [("ourgrad/engine/realize.py", "lower_schedule_item"), ("ourgrad/engine/realize.py", "note_compiles")],
+  "rebind": [("ourgrad/engine/capture.py", "_rebind")],
   "launch": [("ourgrad/engine/exec_item.py", "run"), ("ourgrad/engine/capture.py", "run_captured"),
              ("ourgrad/engine/realize.py", "launch_replayed")],
 }
-PHASES = ("graph", "autograd", "key", "schedule", "lower", "launch", "other")
+PHASES = ("graph", "autograd", "describe", "key", "lookup", "replay", "memory", "lower", "rebind", "launch", "other")
 
 
 @contextlib.contextmanager
@@ -123,9 +131,12 @@ def phase_seconds(profile: cProfile.Profile, total: float) -> dict[str, float]:
   stats = pstats.Stats(profile)
   raw = {phase: sum(cumulative(stats, suffix, name) for suffix, name in functions)
          for phase, functions in PHASE_FUNCTIONS.items()}
-  phases = {"autograd": raw["autograd"], "key": raw["key"], "schedule": raw["schedule"] - raw["key"],
-            "lower": raw["lower"], "launch": raw["launch"]}
-  phases["other"] = max(0.0, raw["realize"] - raw["schedule"] - raw["lower"] - raw["launch"])
+  # (describe runs inside the key's functions, _replay and the key inside schedule, _rebind inside run_captured)
+  phases = {"autograd": raw["autograd"], "describe": raw["describe"], "key": raw["key"] - raw["describe"],
+            "lookup": raw["schedule"] - raw["key"] - raw["replay"], "replay": raw["replay"], "memory": raw["memory"],
+            "lower": raw["lower"], "rebind": raw["rebind"], "launch": raw["launch"] - raw["rebind"]}
+  ran = raw["schedule"] + raw["memory"] + raw["lower"] + raw["launch"]
+  phases["other"] = max(0.0, raw["realize"] - ran)
   phases["graph"] = max(0.0, total - raw["autograd"] - raw["realize"])
   return phases
 

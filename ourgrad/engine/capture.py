@@ -17,6 +17,8 @@ docs/jit.md says what was measured).
 """
 from __future__ import annotations
 
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_
 from typing import Any
 
 from ourgrad.device import Buffer, Device
@@ -47,7 +49,7 @@ class ScheduleCapture:
   """The capture state of one cached schedule, kept on its first item's LoweringMemo: how many times it was seen,
   and once captured the graph, the argument each kernel's graph node holds per position, and what a launch counts."""
   __slots__ = ("seen", "checked", "reason", "host_kernels", "graph", "host", "memos", "arguments", "generation",
-               "kernel_count", "op_count", "byte_count")
+               "kernel_count", "op_count", "byte_count", "key", "parked", "builds", "hits")
 
   def __init__(self) -> None:
     self.seen = 0
@@ -60,6 +62,13 @@ class ScheduleCapture:
     self.arguments: list[list[Any]] = []
     self.generation: Any = None      # the compiled-kernel cache's generation its runners came from
     self.kernel_count = self.op_count = self.byte_count = 0
+    # device graphs only: the identities of the buffers' handles the graph's nodes hold (_identity_key; None: not
+    # known), and other graphs of this schedule bound to other buffers, by that key (see _rebind)
+    self.key: tuple[int, ...] | None = None
+    self.parked: dict[tuple[int, ...], tuple[Any, list[list[Any]]]] = {}
+    # graphs built for other buffers, and replays that found theirs parked: a schedule whose buffers change at every
+    # call (whose parked graphs are never found again) builds two such graphs, not GRAPHS_PER_SCHEDULE
+    self.builds = self.hits = 0
 
 
 def structural_reason(schedule: list[ScheduleItem]) -> str | None:
@@ -157,6 +166,21 @@ def _arguments_of(item: ScheduleItem) -> list[Buffer]:
 
 def _capture(state: ScheduleCapture, schedule: list[ScheduleItem], generation: Any) -> bool:
   """Build the graph of `schedule`'s kernels on its current buffers and launch it (False: the driver refused)."""
+  state.parked, state.builds, state.hits = {}, 0, 0   # (graphs of another generation's runners)
+  if not _build(state, schedule): return False
+  runners: list[CompiledRunner] = [item.lowering.runner for item in schedule]
+  state.generation = generation
+  state.memos = [item.lowering for item in schedule]
+  state.kernel_count = len(schedule)
+  state.op_count = sum(runner.op_count for runner in runners)
+  state.byte_count = sum(runner.byte_count for runner in runners)
+  stats.captures += 1
+  _launch(state)
+  return True
+
+
+def _build(state: ScheduleCapture, schedule: list[ScheduleItem]) -> bool:
+  """Make `state.graph` the graph of `schedule`'s kernels on its current buffers (False: the driver refused)."""
   device = Device[schedule[0].outputs[0].device]
   runners: list[CompiledRunner] = [item.lowering.runner for item in schedule]
   device_graph = getattr(device, "graph", None)
@@ -171,23 +195,73 @@ def _capture(state: ScheduleCapture, schedule: list[ScheduleItem], generation: A
   except DeviceError as error:   # a driver that refuses the graph: launched item by item, still correct
     state.reason = f"the device refused the graph ({error})"
     return False
-  state.graph, state.arguments, state.generation, state.host = graph, arguments, generation, host
-  state.memos = [item.lowering for item in schedule]
-  state.kernel_count = len(schedule)
-  state.op_count = sum(runner.op_count for runner in runners)
-  state.byte_count = sum(runner.byte_count for runner in runners)
-  stats.captures += 1
-  _launch(state)
+  state.graph, state.arguments, state.host = graph, arguments, host
+  state.key = None if host else _identity_key(schedule)
   return True
+
+
+# graphs of one schedule kept bound to other buffers (the blocks of a model, each with its own weights, realized one
+# by one replay one schedule: each replay would otherwise rewrite most nodes' arguments, one driver call per node)
+GRAPHS_PER_SCHEDULE = 16
+_inputs_and_outputs = attrgetter("outputs", "inputs")
+
+
+def _identity_key(schedule: list[ScheduleItem]) -> tuple[int, ...]:
+  """The identities of the handles of every item's buffers in argument order, read in C (None's for buffers not
+  allocated: no graph's key holds one, since graphs are keyed once every argument is bound). A graph's argument
+  lists hold those handles, so no identity in a kept key is reused while the key is kept."""
+  return tuple(map(id, map(_handle_of, chain.from_iterable(chain.from_iterable(map(_inputs_and_outputs,
+                                                                                     schedule))))))
 
 
 def _rebind(state: ScheduleCapture, schedule: list[ScheduleItem]) -> bool:
   """Point the graph's nodes at this replay's buffers where they changed; False if the replay brings other items
-  than the capture (copy-on-write snapshots or packing decided otherwise this time)."""
+  than the capture (copy-on-write snapshots or packing decided otherwise this time).
+
+  A device graph is first looked up by the identities of the replay's handles (_identity_key): the graph bound to
+  them already (this one, or one parked) launches with no argument written. Otherwise, where most items read other
+  buffers (another block's weights) and fewer than GRAPHS_PER_SCHEDULE graphs exist, this one is parked as it is and
+  a new graph is built on these buffers; else the changed arguments are written into this graph."""
   if len(schedule) != len(state.memos): return False
-  graph, memos, host = state.graph, state.memos, state.host
-  for index, (item, bound) in enumerate(zip(schedule, state.arguments)):
-    if item.lowering is not memos[index]: return False
+  memos = state.memos
+  for item, memo in zip(schedule, memos):
+    if item.lowering is not memo: return False
+  host = state.host
+  key: tuple[int, ...] | None = None
+  if not host:
+    # (all in C: the buffers in argument order, their handles, the handles' identities)
+    buffers = list(chain.from_iterable(chain.from_iterable(map(_inputs_and_outputs, schedule))))
+    handles = list(map(_handle_of, buffers))
+    missing = list(map(is_, handles, repeat(None)))   # (by identity: a handle's == may be elementwise, numpy's)
+    if any(missing):   # (fresh outputs get their memory at launch: here, in argument order as the walk below would)
+      for buffer in compress(buffers, missing): buffer.allocate()
+      handles = list(map(_handle_of, buffers))
+    key = tuple(map(id, handles))
+    if key == state.key: return True
+    parked = state.parked.pop(key, None)
+    if parked is not None:
+      state.hits += 1
+      if state.key is not None: state.parked[state.key] = (state.graph, state.arguments)
+      state.graph, state.arguments = parked
+      state.key = key
+      return True
+  read = _pointer_of if host else _handle_of
+  # most items of a repeated step hold what their node holds: one identity check per argument in C (map, is_), the
+  # per-argument walk below only where something changed or is not allocated yet (None is no node's argument; a host
+  # buffer's address is made at its first launch)
+  changed = [index for index, (item, bound) in enumerate(zip(schedule, state.arguments))
+             if not all(map(is_, map(read, chain(item.outputs, item.inputs)), bound))]
+  if not host and state.key is not None and state.reason is None and 2 * len(changed) > len(schedule) and \
+      len(state.parked) + 1 < GRAPHS_PER_SCHEDULE and state.builds < 2 * state.hits + 2:
+    kept, kept_key = (state.graph, state.arguments), state.key
+    state.builds += 1
+    if _build(state, schedule):   # (which allocates what is not yet: graph nodes take handles)
+      state.parked[kept_key] = kept
+      return True
+    state.graph, state.arguments, state.key = *kept, kept_key   # (refused: the graph there is gets rebound)
+  graph = state.graph
+  for index in changed:
+    item, bound = schedule[index], state.arguments[index]
     position = 0
     for buffers in (item.outputs, item.inputs):
       for buffer in buffers:
@@ -199,7 +273,11 @@ def _rebind(state: ScheduleCapture, schedule: list[ScheduleItem]) -> bool:
           graph.set_argument(index, position, argument)
           bound[position] = argument
         position += 1
+  state.key = key   # (the handles read above: every one was allocated then, and the walk only wrote them in)
   return True
+
+
+_handle_of, _pointer_of = attrgetter("_handle"), attrgetter("_pointer")
 
 
 def _launch(state: ScheduleCapture) -> None:

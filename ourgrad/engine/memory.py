@@ -86,7 +86,9 @@ class RecordedPlan:
     """Run the buffers (`buffers[ordinal]`) on fresh backing buffers as recorded, as plan_memory would."""
     backings = [Buffer(device, size, dtypes.uint8) for device, size in self.backings]
     targets = [buffers[ordinal] for ordinal, _ in self.assigned]
-    for buffer in targets: buffer.release_memory()   # (all first, as plan_memory does)
+    # (all first, as plan_memory does; a replay's targets hold no memory yet: no call for those)
+    for buffer in targets:
+      if buffer._handle is not None: buffer.release_memory()
     for buffer, (_, slot) in zip(targets, self.assigned): buffer.use_memory_of(backings[slot])
     if DEBUG >= 1:
       planned = sum(size for _, size in self.backings)

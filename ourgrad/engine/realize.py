@@ -346,7 +346,7 @@ def _replay_recorded_plan(schedule: list[ScheduleItem], plans: dict[tuple[int, .
   buffers = layout.buffers(schedule)
   unheld = unheld_buffers(buffers, layout.written, layout.slots)
   if unheld is None: return False
-  pattern = tuple(ordinal for ordinal in unheld if not buffers[ordinal].is_allocated)
+  pattern = tuple(ordinal for ordinal in unheld if buffers[ordinal]._handle is None)   # (is_allocated, no call)
   if len(pattern) < 2: return True   # (as planning: fewer than two internal buffers share nothing)
   recorded = plans.get(pattern)
   if recorded is None: return False
@@ -387,6 +387,9 @@ def count_new_kernels(schedule: list[ScheduleItem]) -> int:
 def note_compiles(schedule: list[ScheduleItem]) -> None:
   """The "compiling N kernels" note of COMPILE_NOTE: a first step that is silent for seconds looks hung."""
   if len(schedule) < COMPILE_NOTE_MIN_KERNELS: return   # (before reading the setting: most realizes are short)
+  # a replayed schedule lowered its kernels at its first replay (no isatty() call for it at every realize)
+  memo = schedule[0].lowering
+  if memo is not None and memo.runner is not None: return
   setting = COMPILE_NOTE.value
   if setting == 0 or (setting < 0 and not sys.stderr.isatty()): return
   new = count_new_kernels(schedule)

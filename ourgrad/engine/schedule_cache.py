@@ -252,10 +252,11 @@ def _trace_key(trace: lazy_trace.Trace, outs: Sequence[LazyBuffer], settings: tu
   output's position there and view, and `settings` (what else the scheduler's decisions read); None when an output is
   not an unrealized base of the trace (a constant, made before it) or the trace is inconsistent."""
   references: list[Any] = []
+  bases = trace.bases
   for out in outs:
     base = out if out._base is None else out._base
-    index = trace.position(base)
-    if index < 0 or base.realized is not None: return None
+    index = base._trace_index   # (Trace.position without the call: a base of this trace is at its position)
+    if not (0 <= index < len(bases) and bases[index] is base) or base.realized is not None: return None
     references.append(index)
     references.append(out.st)
   if not lazy_trace.describe(trace): return None
