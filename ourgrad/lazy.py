@@ -27,18 +27,15 @@ from ourgrad import lazy_trace
 from ourgrad.lazy_reduce import build_reduce, reduce_plan
 from ourgrad.lazy_value import is_exact, round_trip_source, value_source
 from ourgrad.helpers import prod, register_cache_clearer
-from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
+from ourgrad.ops import (
+  ADD, ASSIGN, BITCAST, CAST, COMPARISON_OPS, CONST, CONTIGUOUS, GATHER, MUL, NEG, Ops, PYTHON_ALU, RECIP, REDUCE_OPS,
+  SUM, WHERE, exec_alu, is_identity_constant)
 from ourgrad.shape.shapetracker import IDENTITY_TRACKERS, ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
 from ourgrad.shape.view import View, strides_for_shape
 
 _READERS_LOCK = threading.Lock()
 
-# The Ops members the per-op paths below compare with, read as module globals: in Python 3.11 an attribute of an Enum
-# class (`Ops.CONST`) goes through EnumType's __getattr__ hook, ~0.2 us a read, and every op built read several
-_CONST, _NEG, _ADD, _MUL, _RECIP = Ops.CONST, Ops.NEG, Ops.ADD, Ops.MUL, Ops.RECIP
-_CAST, _BITCAST, _SUM = Ops.CAST, Ops.BITCAST, Ops.SUM
-_ASSIGN, _WHERE, _CONTIGUOUS, _GATHER = Ops.ASSIGN, Ops.WHERE, Ops.CONTIGUOUS, Ops.GATHER
 _BOOL = dtypes.bool
 _PLAIN_SCALARS = (bool, int, float)   # constant values compared directly (a symbolic one goes to _fold_constants)
 
@@ -136,7 +133,7 @@ class LazyBuffer:
     reference = weakref.ref(base)
     for src in srcs:
       source = src if src._base is None else src._base
-      if source.op is _CONST: continue   # (never written in place: see _add_reader)
+      if source.op is CONST: continue   # (never written in place: see _add_reader)
       readers = source._readers
       readers.append(reference)
       if len(readers) > source._readers_limit: _prune_readers(source)
@@ -178,7 +175,7 @@ class LazyBuffer:
       uploaded = LazyBuffer.from_numpy(data, dtype, device)
       if len(_HOST_CONSTANTS) >= _HOST_CONSTANTS_MAX: _HOST_CONSTANTS.pop(next(iter(_HOST_CONSTANTS)))  # oldest first
       _HOST_CONSTANTS[key] = uploaded
-    return LazyBuffer.create_base(device, uploaded.shape, dtype, _CAST, dtype, (uploaded,))
+    return LazyBuffer.create_base(device, uploaded.shape, dtype, CAST, dtype, (uploaded,))
 
   @staticmethod
   def empty(shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
@@ -243,7 +240,7 @@ class LazyBuffer:
   def const_value(self) -> Any | None:
     """The constant this buffer holds everywhere, or None if it is not an unpadded constant."""
     base = self._base if self._base is not None else self
-    if base.op is not _CONST or base.realized is not None: return None
+    if base.op is not CONST or base.realized is not None: return None
     for view in self.st.views:
       if view.mask is not None: return None
     return base.arg
@@ -259,7 +256,7 @@ class LazyBuffer:
     constant keeps none: it is never written in place (a write to one makes a new base: `_write_constant`), and a
     shared constant (`operand_constant`) would collect every step's readers."""
     base = self._base if self._base is not None else self
-    if base.op is _CONST: return
+    if base.op is CONST: return
     base._readers.append(weakref.ref(reader))
     if len(base._readers) > base._readers_limit: _prune_readers(base)
 
@@ -330,10 +327,10 @@ class LazyBuffer:
         mine = self if self._base is None else self._base
         theirs = other if other._base is None else other._base
         out_dtype = dtype or (_BOOL if op in COMPARISON_OPS else other.dtype)
-        if mine.op is _CONST or theirs.op is _CONST:
-          value = theirs.arg if theirs.op is _CONST else mine.arg
-          if (mine.op is _CONST and theirs.op is _CONST) or ((op is _ADD or op is _MUL) and (
-              type(value) not in _PLAIN_SCALARS or value == 0 or (op is _MUL and value == 1))):
+        if mine.op is CONST or theirs.op is CONST:
+          value = theirs.arg if theirs.op is CONST else mine.arg
+          if (mine.op is CONST and theirs.op is CONST) or ((op is ADD or op is MUL) and (
+              type(value) not in _PLAIN_SCALARS or value == 0 or (op is MUL and value == 1))):
             folded = self._fold_constants(op, (self, other), out_dtype)
             if folded is not None: return folded
         return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, None, (self, other))
@@ -344,19 +341,19 @@ class LazyBuffer:
                           f"move one with .to({self.device!r})")
       if src.shape != self.shape: raise AssertionError(f"elementwise shapes differ: {self.shape} vs {src.shape}")
     out_dtype = dtype or (dtypes.bool if op in COMPARISON_OPS else srcs[-1].dtype)
-    if op is _NEG and self.dtype.is_float and \
-        ((self if self._base is None else self._base).op is not _CONST or self.const_value() is None):
+    if op is NEG and self.dtype.is_float and \
+        ((self if self._base is None else self._base).op is not CONST or self.const_value() is None):
       # -x as x * -1: a pad pushed through NEG would give -(0) = -0.0 in the padding, where a padded constant -1
       # gives 0 * 0 = +0.0 as PyTorch pads (and -(+0.0) is still -0.0 inside)
-      return self.elementwise(_MUL, self.operand_like(-1, self.dtype))
+      return self.elementwise(MUL, self.operand_like(-1, self.dtype))
     # only constants fold, and with a non-constant operand only in x + 0, x * 1 and an integer x * 0
     # (_fold_constants): most ops (x * y, x + 1, max(x, 0)) build their base without a _fold_constants call
     constants, value = 0, None
     for src in srcs:
       source = src if src._base is None else src._base
-      if source.op is _CONST: constants, value = constants + 1, source.arg
-    if constants and (constants == len(srcs) or ((op is _ADD or op is _MUL) and (
-        type(value) not in _PLAIN_SCALARS or value == 0 or (op is _MUL and value == 1)))):
+      if source.op is CONST: constants, value = constants + 1, source.arg
+    if constants and (constants == len(srcs) or ((op is ADD or op is MUL) and (
+        type(value) not in _PLAIN_SCALARS or value == 0 or (op is MUL and value == 1)))):
       folded = self._fold_constants(op, srcs, out_dtype)
       if folded is not None: return folded
     return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)
@@ -365,16 +362,16 @@ class LazyBuffer:
     """The folded result of `op` over `srcs` where one of them is a constant base (elementwise checks), or None."""
     if len(srcs) == 2:   # (most folds: one constant operand; the other source's value without a const_value call)
       left, right = srcs
-      values = [left.const_value() if (left if left._base is None else left._base).op is _CONST else None,
-                right.const_value() if (right if right._base is None else right._base).op is _CONST else None]
+      values = [left.const_value() if (left if left._base is None else left._base).op is CONST else None,
+                right.const_value() if (right if right._base is None else right._base).op is CONST else None]
     else:
       values = [src.const_value() for src in srcs]
-    if None not in values and op is not _CAST and op is not _BITCAST:
-      if op is _RECIP and out_dtype.is_int: exec_alu(op, out_dtype, tuple(values))   # (raises)
+    if None not in values and op is not CAST and op is not BITCAST:
+      if op is RECIP and out_dtype.is_int: exec_alu(op, out_dtype, tuple(values))   # (raises)
       # rounded to the dtype by const_like, which remembers the rounding of each value (exec_alu's costs ~1 us)
       return self.const_like(PYTHON_ALU[op](*values), out_dtype)
     # (only x + 0, x * 1 and integer x * 0 fold below)
-    if (op is _ADD or op is _MUL) and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
+    if (op is ADD or op is MUL) and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
       left, right = srcs
       # x+0 and x*1 are x; x*0 is 0 only where there is no NaN to keep (integers and bools). For floats only -0.0 is
       # the additive identity: (-0.0) + (+0.0) is +0.0, so x + (+0.0) stays an add. A result is a new tensor,
@@ -383,7 +380,7 @@ class LazyBuffer:
       left_value, right_value = values
       if right_value is not None and is_identity_constant(op, right_value, out_dtype) and _is_lazy(left): return left
       if left_value is not None and is_identity_constant(op, left_value, out_dtype) and _is_lazy(right): return right
-      if op is _MUL and not out_dtype.is_float and 0 in (left_value, right_value):
+      if op is MUL and not out_dtype.is_float and 0 in (left_value, right_value):
         return self.const_like(0, out_dtype)
     return None
 
@@ -394,14 +391,14 @@ class LazyBuffer:
                        f"{dtype} is {dtype.itemsize}")
     # a constant casts to a constant (const_value asked only of a constant's views: most casts are of computed values)
     base_op = (self if self._base is None else self._base).op
-    if not bitcast and base_op is _CONST:
+    if not bitcast and base_op is CONST:
       value = self.const_value()
       if value is not None: return self.const_like(_truncated(dtype, value), dtype)
-    if not bitcast and base_op is _CAST:
+    if not bitcast and base_op is CAST:
       # x.cast(wider).cast(x.dtype) is x, folded where x is a computation (as x * 1 is; lazy_value.py)
       source = round_trip_source(self, dtype)
       if source is not None and _is_lazy(source) and is_exact(source): return source
-    return LazyBuffer.create_base(self.device, self.shape, dtype, _BITCAST if bitcast else _CAST, dtype, (self,))
+    return LazyBuffer.create_base(self.device, self.shape, dtype, BITCAST if bitcast else CAST, dtype, (self,))
 
   def reduce(self, op: Ops, axes: tuple[int, ...], split: bool = True) -> LazyBuffer:
     """Reduce over `axes`; the result keeps them as size-1 dimensions. `split`: the device may run it as two
@@ -421,11 +418,11 @@ class LazyBuffer:
     out_shape = tuple(kept)
     if empty: return LazyBuffer.full(REDUCE_IDENTITY[op], out_shape, self.dtype, self.device)
     value = self.const_value()
-    if value is not None and not (op is _SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
+    if value is not None and not (op is SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
       count = prod(self.shape[axis] for axis in axes)
-      return LazyBuffer.full(value * count if op is _SUM else value, out_shape, self.dtype, self.device)
+      return LazyBuffer.full(value * count if op is SUM else value, out_shape, self.dtype, self.device)
     # a host CPU's packed sum, or the device's split into stages (lazy_reduce.py)
-    if (op is _SUM or split) and (plan := reduce_plan(self, op, axes, out_shape, split)) is not None:
+    if (op is SUM or split) and (plan := reduce_plan(self, op, axes, out_shape, split)) is not None:
       return build_reduce(self, op, axes, out_shape, plan)
     return LazyBuffer.create_base(self.device, out_shape, self.dtype, op, axes, (self,))
 
@@ -435,11 +432,11 @@ class LazyBuffer:
     if self.reads_whole_base:
       self.base.forced_realize = True
       return self
-    return LazyBuffer.create_base(self.device, self.shape, self.dtype, _CONTIGUOUS, None, (self,))
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, CONTIGUOUS, None, (self,))
 
   def clone(self) -> LazyBuffer:
     """A copy in a buffer of its own (unlike contiguous(), never the same memory as this buffer)."""
-    return LazyBuffer.create_base(self.device, self.shape, self.dtype, _CONTIGUOUS, None, (self,))
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, CONTIGUOUS, None, (self,))
 
   def copy_to_device(self, device: str) -> LazyBuffer:
     device = Device.canonicalize(device)
@@ -515,14 +512,14 @@ class LazyBuffer:
       raise DeviceError(f"gather_rows: the index is on {index.device}, the table on {self.device}")
     rows, width = self.shape
     base = self.base
-    if base.op is _CAST and base.realized is None and self.reads_whole_base and \
+    if base.op is CAST and base.realized is None and self.reads_whole_base and \
        base.srcs[0].dtype.is_float and base.dtype.is_float and base.srcs[0].dtype.itemsize < base.dtype.itemsize:
       # a widening float cast is exact, so it commutes with the pick: the narrow values are the table (bfloat16
       # logits under autocast: stored as they are, not copied into a float32 table) and the picked rows are widened
       return base.srcs[0].reshape(self.shape).gather_rows(index).cast(self.dtype)
     table = self.contiguous()  # row-major memory of its own: the kernel computes addresses into it
     spread = index.reshape((index.shape[0], 1)).expand((index.shape[0], width))
-    return LazyBuffer.create_base(self.device, (index.shape[0], width), self.dtype, _GATHER, rows, (table, spread))
+    return LazyBuffer.create_base(self.device, (index.shape[0], width), self.dtype, GATHER, rows, (table, spread))
 
   def accumulate_rows(self, index: LazyBuffer, rows: LazyBuffer) -> LazyBuffer:
     """This (N, R) buffer with rows[m] of the (M, R) `rows` added to row index[m] of it, for m = 0, 1, ... in
@@ -628,20 +625,20 @@ class LazyBuffer:
     A view writes through: the base's new version keeps its other elements (`place_through_view`). A constant
     (`Tensor.zeros`, `full`) is memory only once written (`_write_constant`). docs/reliability.md has the rules."""
     base = self.base
-    if base.op is _CONST: return self._write_constant(value)
+    if base.op is CONST: return self._write_constant(value)
     whole = self.reads_whole_base
     if whole:
       full = value.reshape(base.shape)
     else:
       placed = place_through_view(value, self.st, base.shape)
       if placed is None: return self   # an empty view: nothing is written
-      full = placed[1].elementwise(_WHERE, placed[0], base)
-    if base.op is _ASSIGN or base.realized is not None:
+      full = placed[1].elementwise(WHERE, placed[0], base)
+    if base.op is ASSIGN or base.realized is not None:
       new = base.assign(full)
     elif full.is_base and not whole:
       new = full   # the merge made above: a base no one else holds
     else:   # a base of its own (an identity cast fuses into its readers), so later writes change no other tensor
-      new = LazyBuffer.create_base(self.device, base.shape, self.dtype, _CAST, self.dtype, (full,))
+      new = LazyBuffer.create_base(self.device, base.shape, self.dtype, CAST, self.dtype, (full,))
     if base._storage is None: base._storage = Storage(base.shape)
     base._storage.become(new)
     return new if self is base else new.view(self.st)
@@ -654,14 +651,14 @@ class LazyBuffer:
     storage, st = self._const
     constant = LazyBuffer.full(self.base.arg, storage.shape, self.dtype, self.device)
     if st is None or (st.contiguous and self.size == prod(storage.shape)):
-      new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, _CAST, self.dtype,
+      new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, CAST, self.dtype,
                                    (value.reshape(storage.shape),))
     else:
       placed = place_through_view(value, st, storage.shape)
       if placed is None: return self
-      new = placed[1].elementwise(_WHERE, placed[0], constant)
+      new = placed[1].elementwise(WHERE, placed[0], constant)
       if not new.is_base:   # the merge folded (a constant into a constant): a base of its own, as above
-        new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, _CAST, self.dtype, (new,))
+        new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, CAST, self.dtype, (new,))
     storage.become(new)
     return new if st is None else new.view(st)
 
@@ -670,7 +667,7 @@ class LazyBuffer:
     # a value that is just another view of this very buffer (x.assign(x.flip(0))) would be overwritten while the
     # kernel still reads it: copy it out first
     if value.base is self.base and value.st != self.st: value = value.clone()
-    return LazyBuffer.create_base(self.device, self.shape, self.dtype, _ASSIGN, None, (value, self))
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, ASSIGN, None, (value, self))
 
 
 _new_lazy_buffer = object.__new__
@@ -769,7 +766,7 @@ def _fit_last(lazy: LazyBuffer, length: int, current: int) -> LazyBuffer:
 
 def _constant(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
   """`value` in `dtype` as a scalar CONST base viewed as `shape` by one remembered tracker (no memory is used)."""
-  return LazyBuffer.create_base(device, (), dtype, _CONST, _truncated(dtype, value)).view(_broadcast_scalar(shape))
+  return LazyBuffer.create_base(device, (), dtype, CONST, _truncated(dtype, value)).view(_broadcast_scalar(shape))
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -781,7 +778,7 @@ def _broadcast_scalar(shape: tuple[int, ...]) -> ShapeTracker:
 def _is_lazy(buffer: LazyBuffer) -> bool:
   """Whether `buffer` is still a computation (its base not stored, not a constant): returning it as the result of
   another op shares no memory with a tensor the user holds."""
-  return buffer.base.realized is None and buffer.base.op is not _CONST
+  return buffer.base.realized is None and buffer.base.op is not CONST
 
 
 def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:

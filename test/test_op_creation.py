@@ -473,3 +473,15 @@ def test_training_step_graph_reads_no_ops_member_off_the_class() -> None:
   with Tensor.train():
     Tensor.realize_all(*step(), norm.running_mean, norm.running_var)
     assert _enum_class_reads(step) <= 9   # (lazy_reduce.py's CPU packing decisions, ops.is_identity_constant)
+
+
+def test_every_ops_member_is_a_global_of_ops_module() -> None:
+  """ops.py exports each member under its own name (the per-op code's fast read: `from ourgrad.ops import ADD`), and
+  no module keeps its own alias of one (`_ADD = Ops.ADD`): the one mechanism is ops.py's."""
+  import pathlib
+  import re
+  from ourgrad import ops
+  assert all(getattr(ops, name) is member for name, member in Ops.__members__.items())
+  alias = re.compile(r"^_[A-Z][A-Z_0-9]* = Ops\.[A-Z]", re.M)
+  package = pathlib.Path(ops.__file__).parent
+  assert [str(path) for path in package.rglob("*.py") if alias.search(path.read_text())] == []

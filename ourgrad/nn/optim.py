@@ -40,13 +40,10 @@ from ourgrad.errors import AutogradError, DTypeError
 from ourgrad.lazy import LazyBuffer, _broadcast_scalar
 from ourgrad.mixed_precision import LOW_FLOAT_DTYPES, suspend_autocast
 from ourgrad.multi import MultiLazyBuffer, is_assignable
-from ourgrad.ops import Ops
+from ourgrad.ops import ADD, CONST, EXP2, MUL, NEG, Ops, RECIP, SQRT
 from ourgrad.tensor import Tensor, no_grad
 
 Lazy = LazyBuffer | MultiLazyBuffer
-# the Ops members the per-operation code below reads, as module globals: in Python 3.11 reading one off the Enum class
-# (`Ops.ADD`) takes EnumType's __getattr__ hook, ~0.2 us a read (lazy.py's note), and a step read a few hundred
-_CONST, _ADD, _MUL, _NEG, _RECIP, _SQRT, _EXP2 = Ops.CONST, Ops.ADD, Ops.MUL, Ops.NEG, Ops.RECIP, Ops.SQRT, Ops.EXP2
 
 
 def _state_like(param: Tensor) -> Tensor:
@@ -100,14 +97,14 @@ class _LazyUpdate:
     return scalar
 
   @staticmethod
-  def add(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(_ADD, y)
+  def add(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(ADD, y)
 
   def mul(self, x: Lazy, y: Lazy | float) -> Lazy:
     # (a hyper-parameter may be a numpy scalar: anything not a lazy buffer is a number)
-    return x.elementwise(_MUL, y if isinstance(y, (LazyBuffer, MultiLazyBuffer)) else self.constant(float(y), x))
+    return x.elementwise(MUL, y if isinstance(y, (LazyBuffer, MultiLazyBuffer)) else self.constant(float(y), x))
 
   @staticmethod
-  def neg(x: Lazy) -> Lazy: return x.elementwise(_NEG)   # (x * -1 for floats, as Tensor's neg)
+  def neg(x: Lazy) -> Lazy: return x.elementwise(NEG)   # (x * -1 for floats, as Tensor's neg)
 
   def one_minus(self, x: Lazy) -> Lazy:
     """1 - x, as Tensor's `1.0 - x` builds it: 1 + (-x)."""
@@ -115,13 +112,13 @@ class _LazyUpdate:
 
   def exp(self, x: Lazy) -> Lazy:
     """e ** x of a float32 value, as Tensor.exp builds it: exp2(x * (1 / ln 2))."""
-    return self.mul(x, 1 / math.log(2)).elementwise(_EXP2)
+    return self.mul(x, 1 / math.log(2)).elementwise(EXP2)
 
   @staticmethod
-  def div(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(_MUL, y.elementwise(_RECIP))   # as Tensor.div
+  def div(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(MUL, y.elementwise(RECIP))   # as Tensor.div
 
   @staticmethod
-  def sqrt(x: Lazy) -> Lazy: return x.elementwise(_SQRT)
+  def sqrt(x: Lazy) -> Lazy: return x.elementwise(SQRT)
 
   @staticmethod
   def cast(x: Lazy, dtype: DType) -> Lazy: return x.cast(dtype)
@@ -143,7 +140,7 @@ def _foldable(value: float) -> bool:
 def _is_computed(lazy: Any) -> bool:
   """Whether `lazy` is a single device's LazyBuffer whose base is not a constant (memory, or an op to compute)."""
   if type(lazy) is not LazyBuffer: return False
-  return (lazy if lazy._base is None else lazy._base).op is not _CONST
+  return (lazy if lazy._base is None else lazy._base).op is not CONST
 
 
 def _write(tensor: Tensor, value: Lazy) -> Tensor:
@@ -455,7 +452,7 @@ class Adam(_AdamBase):
     correction1, correction2 = self._bias_corrections(lazy)
     # per step, not per parameter: p + (-lr / c1) * m / (sqrt(v) / sqrt(c2) + eps), the Tensor formula's operations
     minus_step_size = lazy.neg(lazy.div(self.lr_tensor.lazydata, correction1))
-    inverse_sqrt_correction2 = lazy.sqrt(correction2).elementwise(_RECIP)
+    inverse_sqrt_correction2 = lazy.sqrt(correction2).elementwise(RECIP)
     decay_factor = self._decay_factor(lazy)
     updated: list[Tensor] = [self.t]
     # the per-step values and hyper-parameters allow every parameter's update to be built base by base (_direct)
@@ -497,18 +494,18 @@ class Adam(_AdamBase):
     if not shape: return False   # (0-d: _LazyUpdate.constant's own 0-d constants)
     node, float32 = lazy.direct, dtypes.float32
     def constant(value: float) -> LazyBuffer: return LazyBuffer.operand_constant(value, shape, float32, device)
-    if decay_factor is not None: weights = node(_MUL, weights, lazy.per_step(decay_factor, weights))
+    if decay_factor is not None: weights = node(MUL, weights, lazy.per_step(decay_factor, weights))
     # _moments: m = b1 * m + (1 - b1) * g and v = b2 * v + (1 - b2) * g * g
-    m_new = node(_MUL, m_old, constant(float(self.b1)))
-    _write(m_state, node(_ADD, m_new, node(_MUL, grad, constant(float(1.0 - self.b1)))))
-    v_new = node(_MUL, v_old, constant(float(self.b2)))
-    squares = node(_MUL, node(_MUL, grad, grad), constant(float(1.0 - self.b2)))
-    _write(v_state, node(_ADD, v_new, squares))
+    m_new = node(MUL, m_old, constant(float(self.b1)))
+    _write(m_state, node(ADD, m_new, node(MUL, grad, constant(float(1.0 - self.b1)))))
+    v_new = node(MUL, v_old, constant(float(self.b2)))
+    squares = node(MUL, node(MUL, grad, grad), constant(float(1.0 - self.b2)))
+    _write(v_state, node(ADD, v_new, squares))
     m, v = m_state.lazydata, v_state.lazydata
-    denominator = node(_ADD, node(_MUL, node(_SQRT, v), lazy.per_step(inverse_sqrt_correction2, v)),
+    denominator = node(ADD, node(MUL, node(SQRT, v), lazy.per_step(inverse_sqrt_correction2, v)),
                        constant(float(self.eps)))
-    step = node(_MUL, node(_MUL, lazy.per_step(minus_step_size, m), m), node(_RECIP, denominator))
-    _write(param, node(_ADD, weights, step))
+    step = node(MUL, node(MUL, lazy.per_step(minus_step_size, m), m), node(RECIP, denominator))
+    _write(param, node(ADD, weights, step))
     return True
 
 
