@@ -316,24 +316,27 @@ class LazyBuffer:
 
   # ---------------------------------------------------------------- compute
 
-  def elementwise(self, op: Ops, *others: LazyBuffer, arg: Any = None, dtype: DType | None = None) -> LazyBuffer:
-    """`op` applied elementwise to self and `others` (same shape); folds constants where it can."""
-    if len(others) == 1 and arg is None:
-      # a binary op (most ops built), written out: no loops over the sources, and no constant-folding checks unless
-      # a source is a constant. The same decisions as the general path below (an operand on another device or of
-      # another shape takes that path, which raises)
-      other = others[0]
-      if other.device == self.device and other.shape == self.shape:
-        mine = self if self._base is None else self._base
-        theirs = other if other._base is None else other._base
-        out_dtype = dtype or (_BOOL if op in COMPARISON_OPS else other.dtype)
-        if mine.op is CONST or theirs.op is CONST:
-          value = theirs.arg if theirs.op is CONST else mine.arg
-          if (mine.op is CONST and theirs.op is CONST) or ((op is ADD or op is MUL) and (
-              type(value) not in _PLAIN_SCALARS or value == 0 or (op is MUL and value == 1))):
-            folded = self._fold_constants(op, (self, other), out_dtype)
-            if folded is not None: return folded
-        return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, None, (self, other))
+  def elementwise(self, op: Ops, other: LazyBuffer | None = None, third: LazyBuffer | None = None, *, arg: Any = None,
+                  dtype: DType | None = None) -> LazyBuffer:
+    """`op` applied elementwise to self and the other sources (same shape); folds constants where it can."""
+    # the common cases written out (no tuple of sources to loop over, no folding checks unless a source is a
+    # constant): a binary op or a unary op of a computed value. They decide as the general path below; an operand on
+    # another device or of another shape, or a binary op with an arg, takes that path (which raises where it must)
+    mine = self if self._base is None else self._base
+    if other is None:
+      if mine.op is not CONST and op is not NEG:   # (nothing to fold)
+        return LazyBuffer.create_base(self.device, self.shape, dtype or self.dtype, op, arg, (self,))
+    elif third is None and arg is None and other.shape == self.shape and other.device == self.device:
+      theirs = other if other._base is None else other._base
+      out_dtype = dtype or (_BOOL if op in COMPARISON_OPS else other.dtype)
+      if mine.op is CONST or theirs.op is CONST:
+        value = theirs.arg if theirs.op is CONST else mine.arg
+        if (mine.op is CONST and theirs.op is CONST) or ((op is ADD or op is MUL) and (
+            type(value) not in _PLAIN_SCALARS or value == 0 or (op is MUL and value == 1))):
+          folded = self._fold_constants(op, (self, other), out_dtype)
+          if folded is not None: return folded
+      return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, None, (self, other))
+    others = () if other is None else (other,) if third is None else (other, third)
     srcs = (self, *others)
     for src in others:
       if src.device != self.device:
