@@ -411,45 +411,76 @@ def test_batchnorm_training_forward_makes_no_constant_base(monkeypatch: pytest.M
   np.testing.assert_allclose(norm.running_var.numpy(), theirs.running_var.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_mnist_cnn_step_bases_per_phase(monkeypatch: pytest.MonkeyPatch) -> None:
-  """The lazy bases examples/mnist.py's CNN step builds (batch 4, built twice without a realize: the second build,
-  with every shared constant made, is counted), per phase: forward 135 -> 117 (batchnorm's constants shared), backward
-  84, the Adam update 160 (17 a parameter). A bound, so that a change building more shows here."""
-  import importlib.util
-  import pathlib
+def _step_nodes(monkeypatch: pytest.MonkeyPatch, model: Any, x: Tensor, y: Tensor) -> list[tuple[int, int]]:
+  """(bases, views) an eager Adam step of `model` on (x, y) builds in each phase (forward with the loss, backward,
+  the update), counted on a second build without a realize (every shared constant made by the first)."""
   from ourgrad.nn.losses import cross_entropy
   from ourgrad.nn.state import get_parameters
+  optimizer = Adam([tensor for tensor in get_parameters(model) if tensor.requires_grad], lr=1e-3)
+  counts = [0, 0]
+  create, view = LazyBuffer.create_base, LazyBuffer.view
+
+  def counting_base(*args: Any, **kwargs: Any) -> LazyBuffer:
+    counts[0] += 1
+    return create(*args, **kwargs)
+
+  def counting_view(self: LazyBuffer, st: ShapeTracker) -> LazyBuffer:
+    out = view(self, st)
+    if out._base is not None: counts[1] += 1   # (a new view: the identity view is the base itself)
+    return out
+
+  def phases() -> list[tuple[int, int]]:
+    marks = []
+    with monkeypatch.context() as patched:
+      patched.setattr(LazyBuffer, "create_base", staticmethod(counting_base))
+      patched.setattr(LazyBuffer, "view", counting_view)
+      optimizer.zero_grad()
+      counts[:] = [0, 0]
+      loss = cross_entropy(model(x), y)
+      marks.append(tuple(counts))
+      loss.backward()
+      marks.append(tuple(counts))
+      optimizer.schedule_step()
+      marks.append(tuple(counts))
+    return [marks[0], *((after[0] - before[0], after[1] - before[1]) for before, after in zip(marks, marks[1:]))]
+  with Tensor.train():
+    phases()
+    return phases()
+
+
+def test_mnist_cnn_step_bases_per_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+  """The lazy bases examples/mnist.py's CNN step builds (batch 4), per phase: forward 135 -> 117 (batchnorm's
+  constants shared), backward 84, the Adam update 160 (17 a parameter). A bound, so that a change building more
+  shows here."""
+  import importlib.util
+  import pathlib
   spec = importlib.util.spec_from_file_location("mnist_example_bases",
                                                 pathlib.Path(__file__).resolve().parents[1] / "examples" / "mnist.py")
   mnist = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mnist)
   model = mnist.ConvNet(mnist.MODELS["small"])
-  optimizer = Adam([tensor for tensor in get_parameters(model) if tensor.requires_grad], lr=1e-3)
   x, y = Tensor(_values(4, 1, 28, 28)).realize(), Tensor(np.arange(4, dtype=np.int32)).realize()
-  made = [0]
-  create = LazyBuffer.create_base
+  counts = _step_nodes(monkeypatch, model, x, y)
+  assert all(bases <= bound for (bases, _), bound in zip(counts, (117, 84, 160))), counts
 
-  def counting(*args: Any, **kwargs: Any) -> LazyBuffer:
-    made[0] += 1
-    return create(*args, **kwargs)
 
-  def phases() -> list[int]:
-    marks = []
-    with monkeypatch.context() as patched:
-      patched.setattr(LazyBuffer, "create_base", staticmethod(counting))
-      optimizer.zero_grad()
-      made[0] = 0
-      loss = cross_entropy(model(x), y)
-      marks.append(made[0])
-      loss.backward()
-      marks.append(made[0])
-      optimizer.schedule_step()
-      marks.append(made[0])
-    return [marks[0], marks[1] - marks[0], marks[2] - marks[1]]
-  with Tensor.train():
-    phases()
-    counts = phases()
-  assert counts[0] <= 117 and counts[1] <= 84 and counts[2] <= 160, counts
+def test_mlp_step_nodes_per_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+  """The lazy bases and views an eager MLP step (bench_eager's mlp: three Linear layers, relu, cross-entropy, Adam;
+  small widths here: a host CPU packs its larger matmuls, 53 / 51 in the forward at 784-512-512-10) builds per phase:
+  forward 49 bases / 35 views, backward 30 / 27, the Adam update 126 / 10 (17 bases a parameter). Bounds, so that a
+  change building more shows here."""
+  from ourgrad.nn import Linear
+
+  class MLP:
+    def __init__(self) -> None: self.layers = [Linear(12, 8), Linear(8, 8), Linear(8, 10)]
+
+    def __call__(self, x: Tensor) -> Tensor:
+      for layer in self.layers[:-1]: x = layer(x).relu()
+      return self.layers[-1](x)
+  x, y = Tensor(_values(4, 12)).realize(), Tensor(np.arange(4, dtype=np.int32)).realize()
+  counts = _step_nodes(monkeypatch, MLP(), x, y)
+  assert all(bases <= most_bases and views <= most_views for (bases, views), (most_bases, most_views)
+             in zip(counts, ((49, 35), (30, 27), (126, 10)))), counts
 
 
 def _enum_class_reads(build: Callable[[], Any]) -> int:
