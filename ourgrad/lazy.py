@@ -627,11 +627,12 @@ class LazyBuffer:
     when the base is memory (realized, or an earlier assign), else the new values as a lazy base of their own.
     A view writes through: the base's new version keeps its other elements (`place_through_view`). A constant
     (`Tensor.zeros`, `full`) is memory only once written (`_write_constant`). docs/reliability.md has the rules."""
-    base = self.base
+    # (the base and reads_whole_base written out: an optimizer step writes three buffers a parameter)
+    base = self if self._base is None else self._base
     if base.op is CONST: return self._write_constant(value)
-    whole = self.reads_whole_base
+    whole = self._base is None or self.reads_whole_base
     if whole:
-      full = value.reshape(base.shape)
+      full = value if value.shape == base.shape else value.reshape(base.shape)
     else:
       placed = place_through_view(value, self.st, base.shape)
       if placed is None: return self   # an empty view: nothing is written
@@ -669,7 +670,9 @@ class LazyBuffer:
     """Write `value` into this (realized, contiguous) buffer's memory when scheduled."""
     # a value that is just another view of this very buffer (x.assign(x.flip(0))) would be overwritten while the
     # kernel still reads it: copy it out first
-    if value.base is self.base and value.st != self.st: value = value.clone()
+    if (value if value._base is None else value._base) is (self if self._base is None else self._base) and \
+        value.st != self.st:
+      value = value.clone()
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, ASSIGN, None, (value, self))
 
 
