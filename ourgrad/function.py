@@ -12,7 +12,8 @@ import operator
 from typing import TYPE_CHECKING, Any
 
 from ourgrad.dtype import DType, dtypes
-from ourgrad.lazy import LazyBuffer, Storage
+from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy_views import Storage, place_through_view
 from ourgrad.mixed_precision import store_low_precision
 from ourgrad.ops import (
   ADD, AND, CMPLT, CMPNE, EXP2, LOG2, MAX, MAX_REDUCE, MUL, NEG, OR, Ops, PYTHON_ALU, RECIP, SIN, SQRT, SUM, WHERE)
@@ -702,7 +703,6 @@ class WriteThroughView(Function):
   (written already); `st` is the view's ShapeTracker over h's base."""
 
   def forward(self, h: LazyBuffer, v: LazyBuffer, st: Any) -> LazyBuffer:
-    from ourgrad.lazy import place_through_view
     self.st, self.base_shape = st, h.base.shape
     placed = place_through_view(v.const_like(0), st, self.base_shape)
     self.inside = placed[1].reshape(h.shape) if placed is not None else h.const_like(False, dtypes.bool)
@@ -723,14 +723,12 @@ class ViewOf(Function):
   tensor's new gradient path. Backward puts the gradient back in place (zeros elsewhere)."""
 
   def forward(self, h: LazyBuffer, st: Any) -> LazyBuffer:
-    from ourgrad.lazy import place_through_view
     self.st, self.base_shape, self.input_shape = st, h.base.shape, h.shape
     view = h.base.view(st)
     place_through_view(view.const_like(0), st, self.base_shape)   # ShapeError now for a view that is no lattice
     return view
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    from ourgrad.lazy import place_through_view
     placed = place_through_view(grad_output, self.st, self.base_shape)
     if placed is None: return LazyBuffer.full(0, self.input_shape, grad_output.dtype, grad_output.device)
     return placed[0].reshape(self.input_shape)

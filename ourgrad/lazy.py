@@ -26,6 +26,7 @@ from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad import lazy_trace
 from ourgrad.lazy_reduce import build_reduce, reduce_plan
 from ourgrad.lazy_value import is_exact, round_trip_source, value_source
+from ourgrad.lazy_views import Storage, place_through_view, reads_in_place, reads_in_place_by_rows, tiles_one_base
 from ourgrad.helpers import prod, register_cache_clearer
 from ourgrad.ops import (
   ADD, ASSIGN, BITCAST, CAST, COMPARISON_OPS, CONST, CONTIGUOUS, GATHER, MUL, NEG, Ops, PYTHON_ALU, RECIP, REDUCE_OPS,
@@ -548,7 +549,7 @@ class LazyBuffer:
     row, (B, H, L) (codegen/attention.py). Each operand (or the stored buffer it has every value of: lazy_value.py)
     is read in place through its strides where its view is one unmasked View of a buffer; else made contiguous
     first. The caller (tensor_attention.py) checks the shapes."""
-    operands = tuple(operand if _reads_in_place(operand) else operand.contiguous()
+    operands = tuple(operand if reads_in_place(operand) else operand.contiguous()
                      for operand in map(value_source, (self, key, value)))
     batch, heads, length, head_dim = self.shape
     lse_elements = batch * heads * length * 4 // self.dtype.itemsize   # float32 values in this dtype's elements
@@ -563,7 +564,7 @@ class LazyBuffer:
     kernels (codegen/attention_grad.py). Returns (one buffer of this dtype: dq (B, H, L, D) contiguous, then the
     bytes of the float32 delta (B, H, L); one buffer of this dtype: dk then dv, each (B, Hk, S, D) contiguous).
     Operands (or the stored buffers they have every value of: lazy_value.py, dO = g.cast(float32).cast(bfloat16) is
-    g) are read in place where their view allows it (`_reads_in_place`, the last dim contiguous, a 16-byte aligned
+    g) are read in place where their view allows it (`reads_in_place`, the last dim contiguous, a 16-byte aligned
     start), else made contiguous.
     `packed` (q, k, v tile one base: `tiles_one_base`): both ops write ONE buffer, the base's elements then delta's
     bytes, dq, dk and dv stored through q, k and v's views (the gradient of the base, in its own layout: no
@@ -575,7 +576,7 @@ class LazyBuffer:
     base's elements), then the float32 dQ (B, H, L, D), delta, and the uint32 counts. Refused (two kernels) where an
     operand's rows are not 16-byte aligned (the wgmma kernels' copies)."""
     if packed and not tiles_one_base(self, key, value): raise AssertionError("packed gradients need tiled operands")
-    q, k, v, do = (operand if _reads_in_place_by_rows(operand) else operand.contiguous()
+    q, k, v, do = (operand if reads_in_place_by_rows(operand) else operand.contiguous()
                    for operand in map(value_source, (self, key, value, grad_out)))
     batch, heads, length, head_dim = self.shape
     kv_elements = batch * key.shape[1] * key.shape[2] * head_dim
@@ -694,82 +695,6 @@ def _prune_readers(base: LazyBuffer) -> None:
     base._readers_limit = 2 * len(alive) + 16   # (pruned again once it doubled: amortized O(1) per reader)
 
 
-class Storage:
-  """The memory that successive versions of a base stand for, as a PyTorch storage: `head` is its newest version (a
-  base of `shape`), None for a constant not written yet. Every version links here, not to the next one,
-  so versions no tensor holds are freed however many writes follow."""
-  __slots__ = ("shape", "head", "__weakref__")
-  # new versions made so far, by every storage: a value that was current when this count was n is still current
-  # while it is n (the only way a buffer goes stale is `become`); the backward walk skips its saved-value checks so
-  versions_made = 0
-
-  def __init__(self, shape: tuple[int, ...]):
-    self.shape, self.head = shape, None
-
-  def become(self, version: LazyBuffer) -> None:
-    """Make `version` (a base) the newest."""
-    version._storage, self.head = self, version
-    Storage.versions_made += 1
-
-  @staticmethod
-  def of_constant(lazy: LazyBuffer) -> LazyBuffer:
-    """`lazy` (a fresh LazyBuffer.full) marked as the whole of a new storage, written to on first use."""
-    lazy._const = (Storage(lazy.shape), None)
-    return lazy
-
-
-def place_through_view(value: LazyBuffer, st: ShapeTracker,
-                       base_shape: tuple[int, ...]) -> tuple[LazyBuffer, LazyBuffer] | None:
-  """(value placed where `st` reads the base from, as a base-shaped view with zeros elsewhere; the bool mask of
-  those places) for a write through the view `st`; None when the view has no elements. The view must be one strided
-  lattice of the base (slices with steps, transposes, reshapes, squeezes, flips: what indexing makes); an expanded
-  view (several elements on one memory place), a padded one or a reshape of a transposed slice raises ShapeError."""
-  if 0 in st.shape: return None
-  simple = st.simplify()
-  view = simple.views[-1]
-  if len(simple.views) != 1 or view.mask is not None or any(is_symbolic(x) for x in (*view.shape, *view.strides)):
-    raise ShapeError(f"cannot write through this view of shape {st.shape} (padded, or a reshape of a non-contiguous "
-                     f"view): write into the base tensor, or into a .contiguous() copy")
-  if any(stride == 0 and size > 1 for size, stride in zip(view.shape, view.strides)):
-    raise ShapeError(f"cannot write through an expanded view of shape {st.shape}: more than one element of it refers "
-                     f"to a single memory location (as in PyTorch); write into the tensor it was expanded from")
-  axes = [axis for axis, size in enumerate(view.shape) if size != 1]
-  offset = view.offset + sum((view.shape[axis] - 1) * view.strides[axis] for axis in axes if view.strides[axis] < 0)
-  flipped = tuple(view.strides[axis] < 0 for axis in axes)
-  axes.sort(key=lambda axis: -abs(view.strides[axis]))   # outermost (largest stride) first
-  sizes = [view.shape[axis] for axis in axes]
-  strides = [abs(view.strides[axis]) for axis in axes]
-  extent = 1   # the places the axes from here inward span
-  for position in range(len(axes) - 1, -1, -1):
-    if position < len(axes) - 1 and strides[position] < extent:
-      raise ShapeError(f"cannot write through this view of shape {st.shape}: its elements interleave in memory")
-    extent += (sizes[position] - 1) * strides[position]
-  kept = [axis for axis, length in enumerate(view.shape) if length != 1]   # the axes in the view's order
-  order = tuple(kept.index(axis) for axis in axes)
-
-  def place(lazy: LazyBuffer) -> LazyBuffer:
-    """`lazy` (the view's shape) moved to where the view reads: squeezed, flipped and permuted to positive strides
-    from the outermost in, then each axis spread `stride` places apart (padding between), then shifted by the
-    offset into the base's flat memory."""
-    flat = lazy.reshape(tuple(view.shape[axis] for axis in kept)).flip(flipped).permute(order)
-    flat, block = flat.reshape((*sizes, 1)), 1
-    for position in range(len(axes) - 1, -1, -1):
-      flat = _fit_last(flat, strides[position], block)
-      block = sizes[position] * strides[position]
-      flat = flat.reshape((*sizes[:position], block))
-    flat = _fit_last(flat.reshape((block,)).pad(((offset, 0),)), prod(base_shape), offset + block)
-    return flat.reshape(base_shape)
-  inside = LazyBuffer.full(True, st.shape, dtypes.bool, value.device)
-  return place(value), place(inside)
-
-
-def _fit_last(lazy: LazyBuffer, length: int, current: int) -> LazyBuffer:
-  """`lazy` with its last axis (of `current` places) padded or cut to `length` (what is cut is padding)."""
-  if current < length: return lazy.pad(((0, 0),) * (len(lazy.shape) - 1) + ((0, length - current),))
-  if current > length: return lazy.shrink(tuple((0, size) for size in lazy.shape[:-1]) + ((0, length),))
-  return lazy
-
-
 def _constant(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
   """`value` in `dtype` as a scalar CONST base viewed as `shape` by one remembered tracker (no memory is used)."""
   return LazyBuffer.create_base(device, (), dtype, CONST, _truncated(dtype, value)).view(_broadcast_scalar(shape))
@@ -803,41 +728,3 @@ def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:
     for src in reversed(base.srcs):  # (src.base without the property call: this walk runs at every realize)
       stack.append((src if src._base is None else src._base, False))
   return order
-
-
-def tiles_one_base(q: LazyBuffer, k: LazyBuffer, v: LazyBuffer) -> bool:
-  """Whether attention operands q (B, H, L, D), k and v (B, Hk, L, D) are in-place views of one base that together
-  hold each of its elements once: the same strides, k's heads right after q's and v's after k's (offsets 0,
-  H * head stride, (H + Hk) * head stride), and the (B, H + 2 Hk, L, D) view they form a permutation of a contiguous
-  layout of the whole base. A fused projection's output split into q, k and v ((B, T, 3, H, D) as GPT-2's c_attn,
-  or (B, 3, H, T, D)) is such a base: the gradients of q, k, v stored through the same views are its gradient."""
-  operands = (q, k, v)
-  if not all(_reads_in_place_by_rows(x) for x in operands) or not q.base is k.base is v.base: return False
-  if q.shape[2] != k.shape[2] or k.shape != v.shape: return False
-  views = [x.st.views[0] for x in operands]
-  (batch, heads, length, head_dim), kv_heads = q.shape, k.shape[1]
-  head_stride = views[0].strides[1]
-  if any(view.strides != views[0].strides for view in views): return False
-  if tuple(view.offset for view in views) != (0, heads * head_stride, (heads + kv_heads) * head_stride): return False
-  sizes = (batch, heads + 2 * kv_heads, length, head_dim)
-  covered = 1   # the dims by stride, each must start where the smaller ones end
-  for size, stride in sorted(((size, stride) for size, stride in zip(sizes, views[0].strides) if size > 1),
-                             key=lambda pair: pair[1]):
-    if stride != covered: return False
-    covered *= size
-  return covered == q.base.size
-
-
-def _reads_in_place_by_rows(operand: LazyBuffer) -> bool:
-  """`_reads_in_place`, the last dim contiguous and the first element 16-byte aligned (the attention backward
-  kernels copy rows with 16-byte cp.async where the strides allow)."""
-  if not _reads_in_place(operand): return False
-  view = operand.st.views[0]
-  return view.strides[-1] == 1 and view.offset % (16 // operand.dtype.itemsize) == 0
-
-
-def _reads_in_place(operand: LazyBuffer) -> bool:
-  """Whether a kernel can read `operand` through its view as it is: one unmasked View over a base that gets a buffer
-  of its own (not a constant, which has none)."""
-  views = operand.st.views
-  return len(views) == 1 and views[0].mask is None and operand.base.op is not Ops.CONST and not operand.st.symbolic

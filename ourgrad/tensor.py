@@ -41,7 +41,8 @@ from ourgrad.engine import schedule_cache
 from ourgrad.engine.schedule import REALIZE_LOCK
 from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, ShapeError
 from ourgrad.helpers import DEBUG, normalize_axis, prod
-from ourgrad.lazy import LazyBuffer, Storage
+from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy_views import Storage
 from ourgrad.multi import MultiLazyBuffer, Shard, shard_lazy
 from ourgrad.ops import ADD, ASSIGN, Ops
 from ourgrad.shape.symbolic import is_symbolic, sym_infer
