@@ -12,9 +12,11 @@ import operator
 from typing import TYPE_CHECKING, Any
 
 from ourgrad.dtype import DType, dtypes
-from ourgrad.lazy import LazyBuffer, Storage
+from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy_views import Storage, place_through_view
 from ourgrad.mixed_precision import store_low_precision
-from ourgrad.ops import PYTHON_ALU, Ops
+from ourgrad.ops import (
+  ADD, AND, CMPLT, CMPNE, EXP2, LOG2, MAX, MAX_REDUCE, MUL, NEG, OR, Ops, PYTHON_ALU, RECIP, SIN, SQRT, SUM, WHERE)
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -116,16 +118,11 @@ def _record_inputs(ctx: Function, device: str, tensors: tuple[Tensor, ...]) -> N
 # (value, dtype, device, shape), made once for all steps; `const_like` (a new one, a tensor's storage) only where the
 # constant is itself a gradient handed on.
 
-# the Ops members the helpers and forwards below use, read as module globals: in Python 3.11 an attribute of an Enum
-# class (`Ops.ADD`) goes through EnumType's __getattr__ hook, ~0.2 us a read, once or twice for every op built
-_ADD, _MUL, _NEG, _RECIP, _WHERE, _CMPNE, _CMPLT = Ops.ADD, Ops.MUL, Ops.NEG, Ops.RECIP, Ops.WHERE, Ops.CMPNE, Ops.CMPLT
-_EXP2, _LOG2, _MAX, _SQRT, _SUM, _MAX_REDUCE = Ops.EXP2, Ops.LOG2, Ops.MAX, Ops.SQRT, Ops.SUM, Ops.MAX_REDUCE
-_AND, _OR, _SIN = Ops.AND, Ops.OR, Ops.SIN
 
 
-def _sub(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(_ADD, b.elementwise(_NEG))
-def _mul(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(_MUL, b)
-def _div(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(_MUL, _reciprocal(b))
+def _sub(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(ADD, b.elementwise(NEG))
+def _mul(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(MUL, b)
+def _div(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return a.elementwise(MUL, _reciprocal(b))
 
 
 def _reciprocal(x: LazyBuffer) -> LazyBuffer:
@@ -133,17 +130,17 @@ def _reciprocal(x: LazyBuffer) -> LazyBuffer:
   makes, as a shared operand constant (made once) instead of a new constant per op."""
   if type(x) is LazyBuffer and x.dtype.is_float:
     value = x.const_value()
-    if value is not None: return x.operand_like(PYTHON_ALU[_RECIP](value))
-  return x.elementwise(_RECIP)
-def _scale(a: LazyBuffer, factor: float) -> LazyBuffer: return a.elementwise(_MUL, a.operand_like(factor))
+    if value is not None: return x.operand_like(PYTHON_ALU[RECIP](value))
+  return x.elementwise(RECIP)
+def _scale(a: LazyBuffer, factor: float) -> LazyBuffer: return a.elementwise(MUL, a.operand_like(factor))
 
 
 def _where(cond: LazyBuffer, a: LazyBuffer, b: LazyBuffer) -> LazyBuffer:
-  return cond.elementwise(_WHERE, a, b)
+  return cond.elementwise(WHERE, a, b)
 
 
-def _not(mask: LazyBuffer) -> LazyBuffer: return mask.elementwise(_CMPNE, mask.operand_like(True))
-def _equal(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return _not(a.elementwise(_CMPNE, b))
+def _not(mask: LazyBuffer) -> LazyBuffer: return mask.elementwise(CMPNE, mask.operand_like(True))
+def _equal(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return _not(a.elementwise(CMPNE, b))
 
 
 def _widen(x: LazyBuffer) -> LazyBuffer:
@@ -163,12 +160,12 @@ def _widened(x: LazyBuffer, op: Ops) -> LazyBuffer:
 
 def _exp(x: LazyBuffer) -> LazyBuffer:
   """e ** x (Exp's forward, and composites built on lazy buffers: Tensor.logsumexp, softmax)."""
-  return _scale(_widen(x), 1 / math.log(2)).elementwise(_EXP2).cast(x.dtype)
+  return _scale(_widen(x), 1 / math.log(2)).elementwise(EXP2).cast(x.dtype)
 
 
 def _log(x: LazyBuffer) -> LazyBuffer:
   """The natural logarithm of x (Log's forward, and composites built on lazy buffers)."""
-  return _scale(_widen(x).elementwise(_LOG2), math.log(2)).cast(x.dtype)
+  return _scale(_widen(x).elementwise(LOG2), math.log(2)).cast(x.dtype)
 
 
 # ---------------------------------------------------------------- unary
@@ -201,37 +198,37 @@ class Cast(Function):
 
 
 class Neg(Function):
-  def forward(self, x: LazyBuffer) -> LazyBuffer: return x.elementwise(_NEG)
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.elementwise(_NEG)
+  def forward(self, x: LazyBuffer) -> LazyBuffer: return x.elementwise(NEG)
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.elementwise(NEG)
 
 
 class Reciprocal(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = x.elementwise(_RECIP)
+    self.result = x.elementwise(RECIP)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    return _mul(grad_output.elementwise(_NEG), _mul(self.result, self.result))
+    return _mul(grad_output.elementwise(NEG), _mul(self.result, self.result))
 
 
 class Sin(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
     self.x = x
-    return x.elementwise(_SIN)
+    return x.elementwise(SIN)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    cos_x = _sub(self.x.const_like(math.pi / 2), self.x).elementwise(_SIN)
+    cos_x = _sub(self.x.const_like(math.pi / 2), self.x).elementwise(SIN)
     return _mul(cos_x, grad_output)
 
 
 class Relu(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = x.elementwise(_MAX, x.operand_like(0))
+    self.result = x.elementwise(MAX, x.operand_like(0))
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
     # the result is >= 0 or NaN: the gradient passes where it is not 0 (at NaN too, as in torch)
-    passes = self.result.elementwise(_CMPNE, self.result.operand_like(0))
+    passes = self.result.elementwise(CMPNE, self.result.operand_like(0))
     return _mul(passes.cast(grad_output.dtype), grad_output)
 
 
@@ -248,7 +245,7 @@ class Log2(Function):
 
   def forward(self, x: LazyBuffer) -> LazyBuffer:
     self.x = x
-    return _widened(x, _LOG2)
+    return _widened(x, LOG2)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _scale(_div(grad_output, self.x), 1 / math.log(2))
 
@@ -265,7 +262,7 @@ class Exp2(Function):
   """2 ** x: one EXP2 (exp(x * ln 2) would round x * ln 2 and scale it back in the kernel)."""
 
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = _widened(x, _EXP2)
+    self.result = _widened(x, EXP2)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _scale(_mul(self.result, grad_output), math.log(2))
@@ -273,7 +270,7 @@ class Exp2(Function):
 
 class Sqrt(Function):
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = x.elementwise(_SQRT)
+    self.result = x.elementwise(SQRT)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _div(grad_output, _scale(self.result, 2))
@@ -285,7 +282,7 @@ class Rsqrt(Function):
   kernel of it divided by it per element (H200, GPT-2's LayerNorm weight+bias partial sums: 12.0 us, now 9.4)."""
 
   def forward(self, x: LazyBuffer) -> LazyBuffer:
-    self.result = x.elementwise(_SQRT).elementwise(_RECIP)
+    self.result = x.elementwise(SQRT).elementwise(RECIP)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
@@ -323,8 +320,8 @@ class WithDerivatives(Function):
 
 def _sigmoid(x: LazyBuffer) -> LazyBuffer:
   """1 / (1 + exp(-x)) on a lazy buffer (Sigmoid's forward, and composites built on lazy buffers: GELU)."""
-  exp_neg = _scale(_widen(x), -1 / math.log(2)).elementwise(_EXP2)
-  return exp_neg.operand_like(1).elementwise(_ADD, exp_neg).elementwise(_RECIP).cast(x.dtype)
+  exp_neg = _scale(_widen(x), -1 / math.log(2)).elementwise(EXP2)
+  return exp_neg.operand_like(1).elementwise(ADD, exp_neg).elementwise(RECIP).cast(x.dtype)
 
 
 class Sigmoid(Function):
@@ -341,12 +338,12 @@ class Sigmoid(Function):
 # ---------------------------------------------------------------- binary and ternary
 
 class Less(Function):
-  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(_CMPLT, y)
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(CMPLT, y)
   def backward(self, grad_output: LazyBuffer) -> tuple[None, None]: return None, None
 
 
 class NotEqual(Function):
-  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(_CMPNE, y)
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(CMPNE, y)
   def backward(self, grad_output: LazyBuffer) -> tuple[None, None]: return None, None
 
 
@@ -371,7 +368,7 @@ class IntDiv(Function):
 
 
 class Add(Function):
-  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(_ADD, y)
+  def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer: return x.elementwise(ADD, y)
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     return (grad_output if self.needs_input_grad[0] else None, grad_output if self.needs_input_grad[1] else None)
@@ -382,13 +379,13 @@ class Sub(Function):
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     return (grad_output if self.needs_input_grad[0] else None,
-            grad_output.elementwise(_NEG) if self.needs_input_grad[1] else None)
+            grad_output.elementwise(NEG) if self.needs_input_grad[1] else None)
 
 
 class Mul(Function):
   def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
     self.x, self.y = x, y
-    return x.elementwise(_MUL, y)
+    return x.elementwise(MUL, y)
 
   def saved_values(self) -> list[LazyBuffer]:   # each factor is needed only for the other's gradient
     return [value for value, needed in ((self.y, self.needs_input_grad[0]), (self.x, self.needs_input_grad[1]))
@@ -413,7 +410,7 @@ class Div(Function):
     grad_x = _div(grad_output, self.y) if self.needs_input_grad[0] else None
     grad_y = None
     if self.needs_input_grad[1]:
-      grad_y = _div(_mul(grad_output.elementwise(_NEG), self.x), _mul(self.y, self.y))
+      grad_y = _div(_mul(grad_output.elementwise(NEG), self.x), _mul(self.y, self.y))
     return grad_x, grad_y
 
 
@@ -423,23 +420,23 @@ class Maximum(Function):
 
   def forward(self, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
     self.x, self.y = x, y
-    return x.elementwise(_MAX, y)
+    return x.elementwise(MAX, y)
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     zero = grad_output.operand_like(0)
     shared = _where(_equal(self.x, self.y), _scale(grad_output, 0.5), grad_output)
-    return (_where(self.x.elementwise(_CMPLT, self.y), zero, shared) if self.needs_input_grad[0] else None,
-            _where(self.y.elementwise(_CMPLT, self.x), zero, shared) if self.needs_input_grad[1] else None)
+    return (_where(self.x.elementwise(CMPLT, self.y), zero, shared) if self.needs_input_grad[0] else None,
+            _where(self.y.elementwise(CMPLT, self.x), zero, shared) if self.needs_input_grad[1] else None)
 
 
 def _abs(x: LazyBuffer) -> LazyBuffer:
-  return _where(x.elementwise(_CMPLT, x.const_like(0)), x.elementwise(_NEG), x)
+  return _where(x.elementwise(CMPLT, x.const_like(0)), x.elementwise(NEG), x)
 
 
 def _magnitude_pow(x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
   """|x| ** y as exp2(y * log2|x|), float16/bfloat16 computed in float32."""
-  log_base = _abs(_widen(x)).elementwise(_LOG2)
-  return _mul(_widen(y), log_base).elementwise(_EXP2).cast(x.dtype)
+  log_base = _abs(_widen(x)).elementwise(LOG2)
+  return _mul(_widen(y), log_base).elementwise(EXP2).cast(x.dtype)
 
 
 class Pow(Function):
@@ -462,9 +459,9 @@ class Pow(Function):
       power = _where(self.is_one_below, one, _mul(self.sign_below, _magnitude_pow(x, _sub(y, one))))
       grad_x = _mul(_where(_equal(y, zero), zero, _mul(y, power)), grad_output)
     if self.needs_input_grad[1]:
-      log_x = _scale(_widen(x).elementwise(_LOG2), math.log(2)).cast(x.dtype)
-      y_not_negative = zero.elementwise(_CMPLT, y).elementwise(_OR, _equal(y, zero))  # False for NaN
-      no_slope = _equal(x, zero).elementwise(_AND, y_not_negative)
+      log_x = _scale(_widen(x).elementwise(LOG2), math.log(2)).cast(x.dtype)
+      y_not_negative = zero.elementwise(CMPLT, y).elementwise(OR, _equal(y, zero))  # False for NaN
+      no_slope = _equal(x, zero).elementwise(AND, y_not_negative)
       grad_y = _mul(_where(no_slope, zero, _mul(self.result, log_x)), grad_output)
     return grad_x, grad_y, None, None, None, None
 
@@ -472,7 +469,7 @@ class Pow(Function):
 class Where(Function):
   def forward(self, cond: LazyBuffer, x: LazyBuffer, y: LazyBuffer) -> LazyBuffer:
     self.cond = cond
-    return cond.elementwise(_WHERE, x, y)
+    return cond.elementwise(WHERE, x, y)
 
   def backward(self, grad_output: LazyBuffer) -> tuple[None, LazyBuffer | None, LazyBuffer | None]:
     zeros = grad_output.operand_like(0)
@@ -489,7 +486,7 @@ class Sum(Function):
 
   def forward(self, x: LazyBuffer, axes: tuple[int, ...], shape: tuple[int, ...] | None = None) -> LazyBuffer:
     self.input_shape = x.shape
-    reduced = x.reduce(_SUM, axes)
+    reduced = x.reduce(SUM, axes)
     self.reduced_shape = reduced.shape
     return reduced if shape is None else reduced.reshape(shape)
 
@@ -514,7 +511,7 @@ class Matmul(Function):
     y_columns = y_columns.reshape(y_columns.shape[:-2] + (1,) + y_columns.shape[-2:])
     self.x_rows_shape, self.y_columns_shape = x_rows.shape, y_columns.shape
     self.x, self.y = _broadcast_to(x_rows, shape), _broadcast_to(y_columns, shape)
-    return _mul(self.x, self.y).reduce(_SUM, (len(shape) - 1,)).reshape(shape[:-1])
+    return _mul(self.x, self.y).reduce(SUM, (len(shape) - 1,)).reshape(shape[:-1])
 
   def saved_values(self) -> list[LazyBuffer]:   # each operand is needed only for the other's gradient (as Mul)
     return [value for value, needed in ((self.y, self.needs_input_grad[0]), (self.x, self.needs_input_grad[1]))
@@ -544,7 +541,7 @@ class Linear(Matmul):
     product = super().forward(rows, weight.permute((1, 0)), (rows.shape[0], outputs, x.shape[-1]))
     product = product.reshape(x.shape[:-1] + (outputs,))
     self.bias_shape = bias[0].shape if bias else None
-    return product.elementwise(_ADD, _broadcast_to(bias[0], product.shape)) if bias else product
+    return product.elementwise(ADD, _broadcast_to(bias[0], product.shape)) if bias else product
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:   # type: ignore[override]
     grad_bias = None
@@ -560,14 +557,14 @@ class Max(Function):
 
   def forward(self, x: LazyBuffer, axes: tuple[int, ...], shape: tuple[int, ...] | None = None) -> LazyBuffer:
     self.x, self.axes = x, axes
-    self.result = x.reduce(_MAX_REDUCE, axes)
+    self.result = x.reduce(MAX_REDUCE, axes)
     return self.result if shape is None else self.result.reshape(shape)   # (as Sum's `shape`)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
     grad_output = grad_output.reshape(self.result.shape)
-    is_max = self.x.elementwise(_CMPNE, self.result.expand(self.x.shape)).elementwise(_NEG)
+    is_max = self.x.elementwise(CMPNE, self.result.expand(self.x.shape)).elementwise(NEG)
     is_max = is_max.cast(grad_output.dtype)
-    count = is_max.reduce(_SUM, self.axes).expand(self.x.shape)
+    count = is_max.reduce(SUM, self.axes).expand(self.x.shape)
     return _mul(_div(is_max, count), grad_output.expand(self.x.shape))
 
 
@@ -583,7 +580,7 @@ class LogSumExpGrad(Function):
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None]:
     shape = self.x.shape
     shifted = _widen(_sub(self.x, self.value.expand(shape)))
-    softmax = _scale(shifted, 1 / math.log(2)).elementwise(_EXP2).cast(self.x.dtype)
+    softmax = _scale(shifted, 1 / math.log(2)).elementwise(EXP2).cast(self.x.dtype)
     return _mul(softmax, grad_output.expand(shape)), None
 
 
@@ -600,7 +597,7 @@ class SoftmaxGrad(Function):
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None]:
     store_low_precision(grad_output)
     grad, y = _widen(grad_output), _widen(self.y)
-    weighted = _mul(grad, y).reduce(_SUM, (self.axis,)).expand(y.shape)
+    weighted = _mul(grad, y).reduce(SUM, (self.axis,)).expand(y.shape)
     return _mul(y, _sub(grad, weighted)).cast(self.input_dtype), None
 
 
@@ -612,18 +609,18 @@ class MaxToOne(Function):
 
   def forward(self, x: LazyBuffer, rank: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
     self.x, self.rank, self.axes = x, rank, axes
-    self.result = x.reduce(_MAX_REDUCE, axes)
+    self.result = x.reduce(MAX_REDUCE, axes)
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None]:
     x, rank = self.x, self.rank
-    is_nan = x.elementwise(_CMPNE, x)
+    is_nan = x.elementwise(CMPNE, x)
     # a NaN peak makes every comparison false, so the NaNs are the candidates there; the smallest rank wins among them.
     # Two nested selects, not one on `x == max | x != x`: gcc 12 does not vectorize that OR of an equality and a NaN
     # test (the CPU's max-pool backward then ran scalar, 3.5x slower).
-    not_max = _where(is_nan, rank.elementwise(_NEG), rank.operand_like(rank.dtype.min))
+    not_max = _where(is_nan, rank.elementwise(NEG), rank.operand_like(rank.dtype.min))
     key = _where(_equal(x, self.result.expand(x.shape)), rank, not_max)
-    chosen = _equal(key, key.reduce(_MAX_REDUCE, self.axes).expand(x.shape))
+    chosen = _equal(key, key.reduce(MAX_REDUCE, self.axes).expand(x.shape))
     grad = _where(chosen, grad_output.expand(x.shape), grad_output.operand_like(0).expand(x.shape))
     return grad, None
 
@@ -672,7 +669,7 @@ def _sum_to_shape(grad: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
   reduce, and reshaped to `shape` where dims were added."""
   padded = (1,) * (len(grad.shape) - len(shape)) + shape
   axes = tuple(axis for axis, (old, new) in enumerate(zip(padded, grad.shape)) if old != new)
-  summed = grad.reduce(_SUM, axes)
+  summed = grad.reduce(SUM, axes)
   return summed if padded == shape else summed.reshape(shape)
 
 
@@ -706,7 +703,6 @@ class WriteThroughView(Function):
   (written already); `st` is the view's ShapeTracker over h's base."""
 
   def forward(self, h: LazyBuffer, v: LazyBuffer, st: Any) -> LazyBuffer:
-    from ourgrad.lazy import place_through_view
     self.st, self.base_shape = st, h.base.shape
     placed = place_through_view(v.const_like(0), st, self.base_shape)
     self.inside = placed[1].reshape(h.shape) if placed is not None else h.const_like(False, dtypes.bool)
@@ -727,14 +723,12 @@ class ViewOf(Function):
   tensor's new gradient path. Backward puts the gradient back in place (zeros elsewhere)."""
 
   def forward(self, h: LazyBuffer, st: Any) -> LazyBuffer:
-    from ourgrad.lazy import place_through_view
     self.st, self.base_shape, self.input_shape = st, h.base.shape, h.shape
     view = h.base.view(st)
     place_through_view(view.const_like(0), st, self.base_shape)   # ShapeError now for a view that is no lattice
     return view
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    from ourgrad.lazy import place_through_view
     placed = place_through_view(grad_output, self.st, self.base_shape)
     if placed is None: return LazyBuffer.full(0, self.input_shape, grad_output.dtype, grad_output.device)
     return placed[0].reshape(self.input_shape)

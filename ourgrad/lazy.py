@@ -26,19 +26,17 @@ from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad import lazy_trace
 from ourgrad.lazy_reduce import build_reduce, reduce_plan
 from ourgrad.lazy_value import is_exact, round_trip_source, value_source
+from ourgrad.lazy_views import Storage, place_through_view, reads_in_place, reads_in_place_by_rows, tiles_one_base
 from ourgrad.helpers import prod, register_cache_clearer
-from ourgrad.ops import COMPARISON_OPS, PYTHON_ALU, Ops, REDUCE_OPS, exec_alu, is_identity_constant
+from ourgrad.ops import (
+  ADD, ASSIGN, BITCAST, CAST, COMPARISON_OPS, CONST, CONTIGUOUS, GATHER, MUL, NEG, Ops, PYTHON_ALU, RECIP, REDUCE_OPS,
+  SUM, WHERE, exec_alu, is_identity_constant)
 from ourgrad.shape.shapetracker import IDENTITY_TRACKERS, ShapeTracker
 from ourgrad.shape.symbolic import NumNode, Variable, is_symbolic
 from ourgrad.shape.view import View, strides_for_shape
 
 _READERS_LOCK = threading.Lock()
 
-# The Ops members the per-op paths below compare with, read as module globals: in Python 3.11 an attribute of an Enum
-# class (`Ops.CONST`) goes through EnumType's __getattr__ hook, ~0.2 us a read, and every op built read several
-_CONST, _NEG, _ADD, _MUL, _RECIP = Ops.CONST, Ops.NEG, Ops.ADD, Ops.MUL, Ops.RECIP
-_CAST, _BITCAST, _SUM = Ops.CAST, Ops.BITCAST, Ops.SUM
-_ASSIGN, _WHERE, _CONTIGUOUS, _GATHER = Ops.ASSIGN, Ops.WHERE, Ops.CONTIGUOUS, Ops.GATHER
 _BOOL = dtypes.bool
 _PLAIN_SCALARS = (bool, int, float)   # constant values compared directly (a symbolic one goes to _fold_constants)
 
@@ -136,7 +134,7 @@ class LazyBuffer:
     reference = weakref.ref(base)
     for src in srcs:
       source = src if src._base is None else src._base
-      if source.op is _CONST: continue   # (never written in place: see _add_reader)
+      if source.op is CONST: continue   # (never written in place: see _add_reader)
       readers = source._readers
       readers.append(reference)
       if len(readers) > source._readers_limit: _prune_readers(source)
@@ -178,7 +176,7 @@ class LazyBuffer:
       uploaded = LazyBuffer.from_numpy(data, dtype, device)
       if len(_HOST_CONSTANTS) >= _HOST_CONSTANTS_MAX: _HOST_CONSTANTS.pop(next(iter(_HOST_CONSTANTS)))  # oldest first
       _HOST_CONSTANTS[key] = uploaded
-    return LazyBuffer.create_base(device, uploaded.shape, dtype, _CAST, dtype, (uploaded,))
+    return LazyBuffer.create_base(device, uploaded.shape, dtype, CAST, dtype, (uploaded,))
 
   @staticmethod
   def empty(shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
@@ -243,7 +241,7 @@ class LazyBuffer:
   def const_value(self) -> Any | None:
     """The constant this buffer holds everywhere, or None if it is not an unpadded constant."""
     base = self._base if self._base is not None else self
-    if base.op is not _CONST or base.realized is not None: return None
+    if base.op is not CONST or base.realized is not None: return None
     for view in self.st.views:
       if view.mask is not None: return None
     return base.arg
@@ -259,7 +257,7 @@ class LazyBuffer:
     constant keeps none: it is never written in place (a write to one makes a new base: `_write_constant`), and a
     shared constant (`operand_constant`) would collect every step's readers."""
     base = self._base if self._base is not None else self
-    if base.op is _CONST: return
+    if base.op is CONST: return
     base._readers.append(weakref.ref(reader))
     if len(base._readers) > base._readers_limit: _prune_readers(base)
 
@@ -319,24 +317,27 @@ class LazyBuffer:
 
   # ---------------------------------------------------------------- compute
 
-  def elementwise(self, op: Ops, *others: LazyBuffer, arg: Any = None, dtype: DType | None = None) -> LazyBuffer:
-    """`op` applied elementwise to self and `others` (same shape); folds constants where it can."""
-    if len(others) == 1 and arg is None:
-      # a binary op (most ops built), written out: no loops over the sources, and no constant-folding checks unless
-      # a source is a constant. The same decisions as the general path below (an operand on another device or of
-      # another shape takes that path, which raises)
-      other = others[0]
-      if other.device == self.device and other.shape == self.shape:
-        mine = self if self._base is None else self._base
-        theirs = other if other._base is None else other._base
-        out_dtype = dtype or (_BOOL if op in COMPARISON_OPS else other.dtype)
-        if mine.op is _CONST or theirs.op is _CONST:
-          value = theirs.arg if theirs.op is _CONST else mine.arg
-          if (mine.op is _CONST and theirs.op is _CONST) or ((op is _ADD or op is _MUL) and (
-              type(value) not in _PLAIN_SCALARS or value == 0 or (op is _MUL and value == 1))):
-            folded = self._fold_constants(op, (self, other), out_dtype)
-            if folded is not None: return folded
-        return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, None, (self, other))
+  def elementwise(self, op: Ops, other: LazyBuffer | None = None, third: LazyBuffer | None = None, *, arg: Any = None,
+                  dtype: DType | None = None) -> LazyBuffer:
+    """`op` applied elementwise to self and the other sources (same shape); folds constants where it can."""
+    # the common cases written out (no tuple of sources to loop over, no folding checks unless a source is a
+    # constant): a binary op or a unary op of a computed value. They decide as the general path below; an operand on
+    # another device or of another shape, or a binary op with an arg, takes that path (which raises where it must)
+    mine = self if self._base is None else self._base
+    if other is None:
+      if mine.op is not CONST and op is not NEG:   # (nothing to fold)
+        return LazyBuffer.create_base(self.device, self.shape, dtype or self.dtype, op, arg, (self,))
+    elif third is None and arg is None and other.shape == self.shape and other.device == self.device:
+      theirs = other if other._base is None else other._base
+      out_dtype = dtype or (_BOOL if op in COMPARISON_OPS else other.dtype)
+      if mine.op is CONST or theirs.op is CONST:
+        value = theirs.arg if theirs.op is CONST else mine.arg
+        if (mine.op is CONST and theirs.op is CONST) or ((op is ADD or op is MUL) and (
+            type(value) not in _PLAIN_SCALARS or value == 0 or (op is MUL and value == 1))):
+          folded = self._fold_constants(op, (self, other), out_dtype)
+          if folded is not None: return folded
+      return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, None, (self, other))
+    others = () if other is None else (other,) if third is None else (other, third)
     srcs = (self, *others)
     for src in others:
       if src.device != self.device:
@@ -344,19 +345,19 @@ class LazyBuffer:
                           f"move one with .to({self.device!r})")
       if src.shape != self.shape: raise AssertionError(f"elementwise shapes differ: {self.shape} vs {src.shape}")
     out_dtype = dtype or (dtypes.bool if op in COMPARISON_OPS else srcs[-1].dtype)
-    if op is _NEG and self.dtype.is_float and \
-        ((self if self._base is None else self._base).op is not _CONST or self.const_value() is None):
+    if op is NEG and self.dtype.is_float and \
+        ((self if self._base is None else self._base).op is not CONST or self.const_value() is None):
       # -x as x * -1: a pad pushed through NEG would give -(0) = -0.0 in the padding, where a padded constant -1
       # gives 0 * 0 = +0.0 as PyTorch pads (and -(+0.0) is still -0.0 inside)
-      return self.elementwise(_MUL, self.operand_like(-1, self.dtype))
+      return self.elementwise(MUL, self.operand_like(-1, self.dtype))
     # only constants fold, and with a non-constant operand only in x + 0, x * 1 and an integer x * 0
     # (_fold_constants): most ops (x * y, x + 1, max(x, 0)) build their base without a _fold_constants call
     constants, value = 0, None
     for src in srcs:
       source = src if src._base is None else src._base
-      if source.op is _CONST: constants, value = constants + 1, source.arg
-    if constants and (constants == len(srcs) or ((op is _ADD or op is _MUL) and (
-        type(value) not in _PLAIN_SCALARS or value == 0 or (op is _MUL and value == 1)))):
+      if source.op is CONST: constants, value = constants + 1, source.arg
+    if constants and (constants == len(srcs) or ((op is ADD or op is MUL) and (
+        type(value) not in _PLAIN_SCALARS or value == 0 or (op is MUL and value == 1)))):
       folded = self._fold_constants(op, srcs, out_dtype)
       if folded is not None: return folded
     return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, arg, srcs)
@@ -365,16 +366,16 @@ class LazyBuffer:
     """The folded result of `op` over `srcs` where one of them is a constant base (elementwise checks), or None."""
     if len(srcs) == 2:   # (most folds: one constant operand; the other source's value without a const_value call)
       left, right = srcs
-      values = [left.const_value() if (left if left._base is None else left._base).op is _CONST else None,
-                right.const_value() if (right if right._base is None else right._base).op is _CONST else None]
+      values = [left.const_value() if (left if left._base is None else left._base).op is CONST else None,
+                right.const_value() if (right if right._base is None else right._base).op is CONST else None]
     else:
       values = [src.const_value() for src in srcs]
-    if None not in values and op is not _CAST and op is not _BITCAST:
-      if op is _RECIP and out_dtype.is_int: exec_alu(op, out_dtype, tuple(values))   # (raises)
+    if None not in values and op is not CAST and op is not BITCAST:
+      if op is RECIP and out_dtype.is_int: exec_alu(op, out_dtype, tuple(values))   # (raises)
       # rounded to the dtype by const_like, which remembers the rounding of each value (exec_alu's costs ~1 us)
       return self.const_like(PYTHON_ALU[op](*values), out_dtype)
     # (only x + 0, x * 1 and integer x * 0 fold below)
-    if (op is _ADD or op is _MUL) and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
+    if (op is ADD or op is MUL) and len(srcs) == 2 and srcs[0].dtype == srcs[1].dtype == out_dtype:
       left, right = srcs
       # x+0 and x*1 are x; x*0 is 0 only where there is no NaN to keep (integers and bools). For floats only -0.0 is
       # the additive identity: (-0.0) + (+0.0) is +0.0, so x + (+0.0) stays an add. A result is a new tensor,
@@ -383,7 +384,7 @@ class LazyBuffer:
       left_value, right_value = values
       if right_value is not None and is_identity_constant(op, right_value, out_dtype) and _is_lazy(left): return left
       if left_value is not None and is_identity_constant(op, left_value, out_dtype) and _is_lazy(right): return right
-      if op is _MUL and not out_dtype.is_float and 0 in (left_value, right_value):
+      if op is MUL and not out_dtype.is_float and 0 in (left_value, right_value):
         return self.const_like(0, out_dtype)
     return None
 
@@ -394,14 +395,14 @@ class LazyBuffer:
                        f"{dtype} is {dtype.itemsize}")
     # a constant casts to a constant (const_value asked only of a constant's views: most casts are of computed values)
     base_op = (self if self._base is None else self._base).op
-    if not bitcast and base_op is _CONST:
+    if not bitcast and base_op is CONST:
       value = self.const_value()
       if value is not None: return self.const_like(_truncated(dtype, value), dtype)
-    if not bitcast and base_op is _CAST:
+    if not bitcast and base_op is CAST:
       # x.cast(wider).cast(x.dtype) is x, folded where x is a computation (as x * 1 is; lazy_value.py)
       source = round_trip_source(self, dtype)
       if source is not None and _is_lazy(source) and is_exact(source): return source
-    return LazyBuffer.create_base(self.device, self.shape, dtype, _BITCAST if bitcast else _CAST, dtype, (self,))
+    return LazyBuffer.create_base(self.device, self.shape, dtype, BITCAST if bitcast else CAST, dtype, (self,))
 
   def reduce(self, op: Ops, axes: tuple[int, ...], split: bool = True) -> LazyBuffer:
     """Reduce over `axes`; the result keeps them as size-1 dimensions. `split`: the device may run it as two
@@ -421,11 +422,11 @@ class LazyBuffer:
     out_shape = tuple(kept)
     if empty: return LazyBuffer.full(REDUCE_IDENTITY[op], out_shape, self.dtype, self.device)
     value = self.const_value()
-    if value is not None and not (op is _SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
+    if value is not None and not (op is SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
       count = prod(self.shape[axis] for axis in axes)
-      return LazyBuffer.full(value * count if op is _SUM else value, out_shape, self.dtype, self.device)
+      return LazyBuffer.full(value * count if op is SUM else value, out_shape, self.dtype, self.device)
     # a host CPU's packed sum, or the device's split into stages (lazy_reduce.py)
-    if (op is _SUM or split) and (plan := reduce_plan(self, op, axes, out_shape, split)) is not None:
+    if (op is SUM or split) and (plan := reduce_plan(self, op, axes, out_shape, split)) is not None:
       return build_reduce(self, op, axes, out_shape, plan)
     return LazyBuffer.create_base(self.device, out_shape, self.dtype, op, axes, (self,))
 
@@ -435,11 +436,11 @@ class LazyBuffer:
     if self.reads_whole_base:
       self.base.forced_realize = True
       return self
-    return LazyBuffer.create_base(self.device, self.shape, self.dtype, _CONTIGUOUS, None, (self,))
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, CONTIGUOUS, None, (self,))
 
   def clone(self) -> LazyBuffer:
     """A copy in a buffer of its own (unlike contiguous(), never the same memory as this buffer)."""
-    return LazyBuffer.create_base(self.device, self.shape, self.dtype, _CONTIGUOUS, None, (self,))
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, CONTIGUOUS, None, (self,))
 
   def copy_to_device(self, device: str) -> LazyBuffer:
     device = Device.canonicalize(device)
@@ -515,14 +516,14 @@ class LazyBuffer:
       raise DeviceError(f"gather_rows: the index is on {index.device}, the table on {self.device}")
     rows, width = self.shape
     base = self.base
-    if base.op is _CAST and base.realized is None and self.reads_whole_base and \
+    if base.op is CAST and base.realized is None and self.reads_whole_base and \
        base.srcs[0].dtype.is_float and base.dtype.is_float and base.srcs[0].dtype.itemsize < base.dtype.itemsize:
       # a widening float cast is exact, so it commutes with the pick: the narrow values are the table (bfloat16
       # logits under autocast: stored as they are, not copied into a float32 table) and the picked rows are widened
       return base.srcs[0].reshape(self.shape).gather_rows(index).cast(self.dtype)
     table = self.contiguous()  # row-major memory of its own: the kernel computes addresses into it
     spread = index.reshape((index.shape[0], 1)).expand((index.shape[0], width))
-    return LazyBuffer.create_base(self.device, (index.shape[0], width), self.dtype, _GATHER, rows, (table, spread))
+    return LazyBuffer.create_base(self.device, (index.shape[0], width), self.dtype, GATHER, rows, (table, spread))
 
   def accumulate_rows(self, index: LazyBuffer, rows: LazyBuffer) -> LazyBuffer:
     """This (N, R) buffer with rows[m] of the (M, R) `rows` added to row index[m] of it, for m = 0, 1, ... in
@@ -548,7 +549,7 @@ class LazyBuffer:
     row, (B, H, L) (codegen/attention.py). Each operand (or the stored buffer it has every value of: lazy_value.py)
     is read in place through its strides where its view is one unmasked View of a buffer; else made contiguous
     first. The caller (tensor_attention.py) checks the shapes."""
-    operands = tuple(operand if _reads_in_place(operand) else operand.contiguous()
+    operands = tuple(operand if reads_in_place(operand) else operand.contiguous()
                      for operand in map(value_source, (self, key, value)))
     batch, heads, length, head_dim = self.shape
     lse_elements = batch * heads * length * 4 // self.dtype.itemsize   # float32 values in this dtype's elements
@@ -563,7 +564,7 @@ class LazyBuffer:
     kernels (codegen/attention_grad.py). Returns (one buffer of this dtype: dq (B, H, L, D) contiguous, then the
     bytes of the float32 delta (B, H, L); one buffer of this dtype: dk then dv, each (B, Hk, S, D) contiguous).
     Operands (or the stored buffers they have every value of: lazy_value.py, dO = g.cast(float32).cast(bfloat16) is
-    g) are read in place where their view allows it (`_reads_in_place`, the last dim contiguous, a 16-byte aligned
+    g) are read in place where their view allows it (`reads_in_place`, the last dim contiguous, a 16-byte aligned
     start), else made contiguous.
     `packed` (q, k, v tile one base: `tiles_one_base`): both ops write ONE buffer, the base's elements then delta's
     bytes, dq, dk and dv stored through q, k and v's views (the gradient of the base, in its own layout: no
@@ -575,7 +576,7 @@ class LazyBuffer:
     base's elements), then the float32 dQ (B, H, L, D), delta, and the uint32 counts. Refused (two kernels) where an
     operand's rows are not 16-byte aligned (the wgmma kernels' copies)."""
     if packed and not tiles_one_base(self, key, value): raise AssertionError("packed gradients need tiled operands")
-    q, k, v, do = (operand if _reads_in_place_by_rows(operand) else operand.contiguous()
+    q, k, v, do = (operand if reads_in_place_by_rows(operand) else operand.contiguous()
                    for operand in map(value_source, (self, key, value, grad_out)))
     batch, heads, length, head_dim = self.shape
     kv_elements = batch * key.shape[1] * key.shape[2] * head_dim
@@ -627,21 +628,22 @@ class LazyBuffer:
     when the base is memory (realized, or an earlier assign), else the new values as a lazy base of their own.
     A view writes through: the base's new version keeps its other elements (`place_through_view`). A constant
     (`Tensor.zeros`, `full`) is memory only once written (`_write_constant`). docs/reliability.md has the rules."""
-    base = self.base
-    if base.op is _CONST: return self._write_constant(value)
-    whole = self.reads_whole_base
+    # (the base and reads_whole_base written out: an optimizer step writes three buffers a parameter)
+    base = self if self._base is None else self._base
+    if base.op is CONST: return self._write_constant(value)
+    whole = self._base is None or self.reads_whole_base
     if whole:
-      full = value.reshape(base.shape)
+      full = value if value.shape == base.shape else value.reshape(base.shape)
     else:
       placed = place_through_view(value, self.st, base.shape)
       if placed is None: return self   # an empty view: nothing is written
-      full = placed[1].elementwise(_WHERE, placed[0], base)
-    if base.op is _ASSIGN or base.realized is not None:
+      full = placed[1].elementwise(WHERE, placed[0], base)
+    if base.op is ASSIGN or base.realized is not None:
       new = base.assign(full)
     elif full.is_base and not whole:
       new = full   # the merge made above: a base no one else holds
     else:   # a base of its own (an identity cast fuses into its readers), so later writes change no other tensor
-      new = LazyBuffer.create_base(self.device, base.shape, self.dtype, _CAST, self.dtype, (full,))
+      new = LazyBuffer.create_base(self.device, base.shape, self.dtype, CAST, self.dtype, (full,))
     if base._storage is None: base._storage = Storage(base.shape)
     base._storage.become(new)
     return new if self is base else new.view(self.st)
@@ -654,14 +656,14 @@ class LazyBuffer:
     storage, st = self._const
     constant = LazyBuffer.full(self.base.arg, storage.shape, self.dtype, self.device)
     if st is None or (st.contiguous and self.size == prod(storage.shape)):
-      new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, _CAST, self.dtype,
+      new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, CAST, self.dtype,
                                    (value.reshape(storage.shape),))
     else:
       placed = place_through_view(value, st, storage.shape)
       if placed is None: return self
-      new = placed[1].elementwise(_WHERE, placed[0], constant)
+      new = placed[1].elementwise(WHERE, placed[0], constant)
       if not new.is_base:   # the merge folded (a constant into a constant): a base of its own, as above
-        new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, _CAST, self.dtype, (new,))
+        new = LazyBuffer.create_base(self.device, storage.shape, self.dtype, CAST, self.dtype, (new,))
     storage.become(new)
     return new if st is None else new.view(st)
 
@@ -669,8 +671,10 @@ class LazyBuffer:
     """Write `value` into this (realized, contiguous) buffer's memory when scheduled."""
     # a value that is just another view of this very buffer (x.assign(x.flip(0))) would be overwritten while the
     # kernel still reads it: copy it out first
-    if value.base is self.base and value.st != self.st: value = value.clone()
-    return LazyBuffer.create_base(self.device, self.shape, self.dtype, _ASSIGN, None, (value, self))
+    if (value if value._base is None else value._base) is (self if self._base is None else self._base) and \
+        value.st != self.st:
+      value = value.clone()
+    return LazyBuffer.create_base(self.device, self.shape, self.dtype, ASSIGN, None, (value, self))
 
 
 _new_lazy_buffer = object.__new__
@@ -691,85 +695,9 @@ def _prune_readers(base: LazyBuffer) -> None:
     base._readers_limit = 2 * len(alive) + 16   # (pruned again once it doubled: amortized O(1) per reader)
 
 
-class Storage:
-  """The memory that successive versions of a base stand for, as a PyTorch storage: `head` is its newest version (a
-  base of `shape`), None for a constant not written yet. Every version links here, not to the next one,
-  so versions no tensor holds are freed however many writes follow."""
-  __slots__ = ("shape", "head", "__weakref__")
-  # new versions made so far, by every storage: a value that was current when this count was n is still current
-  # while it is n (the only way a buffer goes stale is `become`); the backward walk skips its saved-value checks so
-  versions_made = 0
-
-  def __init__(self, shape: tuple[int, ...]):
-    self.shape, self.head = shape, None
-
-  def become(self, version: LazyBuffer) -> None:
-    """Make `version` (a base) the newest."""
-    version._storage, self.head = self, version
-    Storage.versions_made += 1
-
-  @staticmethod
-  def of_constant(lazy: LazyBuffer) -> LazyBuffer:
-    """`lazy` (a fresh LazyBuffer.full) marked as the whole of a new storage, written to on first use."""
-    lazy._const = (Storage(lazy.shape), None)
-    return lazy
-
-
-def place_through_view(value: LazyBuffer, st: ShapeTracker,
-                       base_shape: tuple[int, ...]) -> tuple[LazyBuffer, LazyBuffer] | None:
-  """(value placed where `st` reads the base from, as a base-shaped view with zeros elsewhere; the bool mask of
-  those places) for a write through the view `st`; None when the view has no elements. The view must be one strided
-  lattice of the base (slices with steps, transposes, reshapes, squeezes, flips: what indexing makes); an expanded
-  view (several elements on one memory place), a padded one or a reshape of a transposed slice raises ShapeError."""
-  if 0 in st.shape: return None
-  simple = st.simplify()
-  view = simple.views[-1]
-  if len(simple.views) != 1 or view.mask is not None or any(is_symbolic(x) for x in (*view.shape, *view.strides)):
-    raise ShapeError(f"cannot write through this view of shape {st.shape} (padded, or a reshape of a non-contiguous "
-                     f"view): write into the base tensor, or into a .contiguous() copy")
-  if any(stride == 0 and size > 1 for size, stride in zip(view.shape, view.strides)):
-    raise ShapeError(f"cannot write through an expanded view of shape {st.shape}: more than one element of it refers "
-                     f"to a single memory location (as in PyTorch); write into the tensor it was expanded from")
-  axes = [axis for axis, size in enumerate(view.shape) if size != 1]
-  offset = view.offset + sum((view.shape[axis] - 1) * view.strides[axis] for axis in axes if view.strides[axis] < 0)
-  flipped = tuple(view.strides[axis] < 0 for axis in axes)
-  axes.sort(key=lambda axis: -abs(view.strides[axis]))   # outermost (largest stride) first
-  sizes = [view.shape[axis] for axis in axes]
-  strides = [abs(view.strides[axis]) for axis in axes]
-  extent = 1   # the places the axes from here inward span
-  for position in range(len(axes) - 1, -1, -1):
-    if position < len(axes) - 1 and strides[position] < extent:
-      raise ShapeError(f"cannot write through this view of shape {st.shape}: its elements interleave in memory")
-    extent += (sizes[position] - 1) * strides[position]
-  kept = [axis for axis, length in enumerate(view.shape) if length != 1]   # the axes in the view's order
-  order = tuple(kept.index(axis) for axis in axes)
-
-  def place(lazy: LazyBuffer) -> LazyBuffer:
-    """`lazy` (the view's shape) moved to where the view reads: squeezed, flipped and permuted to positive strides
-    from the outermost in, then each axis spread `stride` places apart (padding between), then shifted by the
-    offset into the base's flat memory."""
-    flat = lazy.reshape(tuple(view.shape[axis] for axis in kept)).flip(flipped).permute(order)
-    flat, block = flat.reshape((*sizes, 1)), 1
-    for position in range(len(axes) - 1, -1, -1):
-      flat = _fit_last(flat, strides[position], block)
-      block = sizes[position] * strides[position]
-      flat = flat.reshape((*sizes[:position], block))
-    flat = _fit_last(flat.reshape((block,)).pad(((offset, 0),)), prod(base_shape), offset + block)
-    return flat.reshape(base_shape)
-  inside = LazyBuffer.full(True, st.shape, dtypes.bool, value.device)
-  return place(value), place(inside)
-
-
-def _fit_last(lazy: LazyBuffer, length: int, current: int) -> LazyBuffer:
-  """`lazy` with its last axis (of `current` places) padded or cut to `length` (what is cut is padding)."""
-  if current < length: return lazy.pad(((0, 0),) * (len(lazy.shape) - 1) + ((0, length - current),))
-  if current > length: return lazy.shrink(tuple((0, size) for size in lazy.shape[:-1]) + ((0, length),))
-  return lazy
-
-
 def _constant(value: Any, shape: tuple[int, ...], dtype: DType, device: str) -> LazyBuffer:
   """`value` in `dtype` as a scalar CONST base viewed as `shape` by one remembered tracker (no memory is used)."""
-  return LazyBuffer.create_base(device, (), dtype, _CONST, _truncated(dtype, value)).view(_broadcast_scalar(shape))
+  return LazyBuffer.create_base(device, (), dtype, CONST, _truncated(dtype, value)).view(_broadcast_scalar(shape))
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -781,7 +709,7 @@ def _broadcast_scalar(shape: tuple[int, ...]) -> ShapeTracker:
 def _is_lazy(buffer: LazyBuffer) -> bool:
   """Whether `buffer` is still a computation (its base not stored, not a constant): returning it as the result of
   another op shares no memory with a tensor the user holds."""
-  return buffer.base.realized is None and buffer.base.op is not _CONST
+  return buffer.base.realized is None and buffer.base.op is not CONST
 
 
 def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:
@@ -800,41 +728,3 @@ def walk_bases(outs: Sequence[LazyBuffer]) -> list[LazyBuffer]:
     for src in reversed(base.srcs):  # (src.base without the property call: this walk runs at every realize)
       stack.append((src if src._base is None else src._base, False))
   return order
-
-
-def tiles_one_base(q: LazyBuffer, k: LazyBuffer, v: LazyBuffer) -> bool:
-  """Whether attention operands q (B, H, L, D), k and v (B, Hk, L, D) are in-place views of one base that together
-  hold each of its elements once: the same strides, k's heads right after q's and v's after k's (offsets 0,
-  H * head stride, (H + Hk) * head stride), and the (B, H + 2 Hk, L, D) view they form a permutation of a contiguous
-  layout of the whole base. A fused projection's output split into q, k and v ((B, T, 3, H, D) as GPT-2's c_attn,
-  or (B, 3, H, T, D)) is such a base: the gradients of q, k, v stored through the same views are its gradient."""
-  operands = (q, k, v)
-  if not all(_reads_in_place_by_rows(x) for x in operands) or not q.base is k.base is v.base: return False
-  if q.shape[2] != k.shape[2] or k.shape != v.shape: return False
-  views = [x.st.views[0] for x in operands]
-  (batch, heads, length, head_dim), kv_heads = q.shape, k.shape[1]
-  head_stride = views[0].strides[1]
-  if any(view.strides != views[0].strides for view in views): return False
-  if tuple(view.offset for view in views) != (0, heads * head_stride, (heads + kv_heads) * head_stride): return False
-  sizes = (batch, heads + 2 * kv_heads, length, head_dim)
-  covered = 1   # the dims by stride, each must start where the smaller ones end
-  for size, stride in sorted(((size, stride) for size, stride in zip(sizes, views[0].strides) if size > 1),
-                             key=lambda pair: pair[1]):
-    if stride != covered: return False
-    covered *= size
-  return covered == q.base.size
-
-
-def _reads_in_place_by_rows(operand: LazyBuffer) -> bool:
-  """`_reads_in_place`, the last dim contiguous and the first element 16-byte aligned (the attention backward
-  kernels copy rows with 16-byte cp.async where the strides allow)."""
-  if not _reads_in_place(operand): return False
-  view = operand.st.views[0]
-  return view.strides[-1] == 1 and view.offset % (16 // operand.dtype.itemsize) == 0
-
-
-def _reads_in_place(operand: LazyBuffer) -> bool:
-  """Whether a kernel can read `operand` through its view as it is: one unmasked View over a base that gets a buffer
-  of its own (not a constant, which has none)."""
-  views = operand.st.views
-  return len(views) == 1 and views[0].mask is None and operand.base.op is not Ops.CONST and not operand.st.symbolic

@@ -26,7 +26,7 @@ from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.helpers import MATMUL_GRID, prod, register_cache_clearer, tf32_allowed
-from ourgrad.ops import ELEMENTWISE_OPS, Ops
+from ourgrad.ops import CAST, CONST, ELEMENTWISE_OPS, MUL, Ops
 from ourgrad.shape.symbolic import is_symbolic
 from ourgrad.shape.view import strides_for_shape
 
@@ -84,8 +84,6 @@ _PLANS_MAX = 4096
 _NEEDS_LOADS = "needs the loads a value takes"
 _MISSING = object()
 register_cache_clearer(_PLANS.clear)
-# (module globals: an Enum class attribute is a slow read in Python 3.11)
-_MUL, _CAST, _CONST = Ops.MUL, Ops.CAST, Ops.CONST
 
 
 @dataclass
@@ -149,7 +147,7 @@ def _plan_key(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...], split: bool, ren
   if base is None: base = lazy
   # a product's factors are read (where the reduced value is the product or a plain view of it: lazy.st and
   # base.shape below tell which), and on a GPU the matmul settings (only a product is split as a matmul)
-  if base.op is _MUL:
+  if base.op is MUL:
     sources: Any = tuple(map(_factor_facts, base.srcs))
     settings = (MATMUL_GRID.value, tf32_allowed()) if renderer.runs_thread_blocks else None
   else: sources, settings = len(base.srcs), None
@@ -162,7 +160,7 @@ def _factor_facts(factor: LazyBuffer) -> tuple:
   bytes), and the dtype a cast widens from."""
   base = factor._base
   if base is None: base = factor
-  widened_from = base.srcs[0].dtype if base.op is _CAST and base.srcs else None
+  widened_from = base.srcs[0].dtype if base.op is CAST and base.srcs else None
   return (factor.st, factor.dtype, base.op, base.shape, widened_from)
 
 
@@ -548,7 +546,7 @@ def _fused_loads(lazy: LazyBuffer, limit: int | None = None) -> set[LazyBuffer]:
     mark(base)
     if base.realized is None and not base.forced_realize and base.op in ELEMENTWISE_OPS:
       for src in base.srcs: push(src._base or src)
-    elif base.op is not _CONST:
+    elif base.op is not CONST:
       loads.add(base)
       if limit is not None and len(loads) >= limit: break
   return loads

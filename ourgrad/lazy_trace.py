@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ourgrad.ops import Ops
+from ourgrad.ops import CONST
 
 if TYPE_CHECKING:
   from ourgrad.lazy import LazyBuffer
@@ -33,7 +33,6 @@ MAX_TRACED = 50_000   # bases in one trace; beyond it the trace is dropped (tain
 _LEAF = "leaf buffer"
 _INLINE = "inline constant"
 PLAIN_ARG_TYPES = (type(None), int, bool, str)
-_CONST = Ops.CONST
 
 
 class Trace:
@@ -129,7 +128,7 @@ def describe(trace: Trace) -> bool:
         continue
       index = src_base._trace_index
       if not (0 <= index < count and bases[index] is src_base):
-        if src_base.op is _CONST and not src_base.srcs and not src_base.forced_realize:   # a constant only read
+        if src_base.op is CONST and not src_base.srcs and not src_base.forced_realize:   # a constant only read
           value = src_base.arg
           extend((_INLINE, value if type(value) in PLAIN_ARG_TYPES or (type(value) is float and value) else
                   hashable_arg(value), src_base.dtype, src_base.device, src_base.shape, src.st))

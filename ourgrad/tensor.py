@@ -41,9 +41,10 @@ from ourgrad.engine import schedule_cache
 from ourgrad.engine.schedule import REALIZE_LOCK
 from ourgrad.errors import AutogradError, DeviceError, DTypeError, JitError, ShapeError
 from ourgrad.helpers import DEBUG, normalize_axis, prod
-from ourgrad.lazy import LazyBuffer, Storage
+from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy_views import Storage
 from ourgrad.multi import MultiLazyBuffer, Shard, shard_lazy
-from ourgrad.ops import Ops
+from ourgrad.ops import ADD, ASSIGN, Ops
 from ourgrad.shape.symbolic import is_symbolic, sym_infer
 from ourgrad.tensor_activation import ActivationMixin
 from ourgrad.tensor_aliases import AliasMixin
@@ -59,7 +60,6 @@ from ourgrad.tensor_special import SpecialMixin
 Scalar = bool | int | float
 Devices = str | tuple[str, ...]
 Lazy = LazyBuffer | MultiLazyBuffer
-_ADD, _ASSIGN = Ops.ADD, Ops.ASSIGN   # (read per gradient: module globals, not Enum class reads; lazy.py's note)
 
 
 def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
@@ -645,7 +645,7 @@ def _gradient_for(parent: Tensor, grad: Lazy) -> Lazy:
   if type(grad) is LazyBuffer and type(parent_lazy) is LazyBuffer and grad.device == parent_lazy.device:
     # (the common case, checked here without _own_value's call: a computed gradient on the parent's device)
     base = grad._base if grad._base is not None else grad
-    return grad if base.realized is None and base.op is not _ASSIGN else _own_value(grad)
+    return grad if base.realized is None and base.op is not ASSIGN else _own_value(grad)
   return Tensor(_own_value(grad), device=parent.device, requires_grad=False).lazydata
 
 
@@ -653,7 +653,7 @@ def _accumulate(total: Lazy, grad: Lazy) -> Lazy:
   """total + grad: the gradients of a tensor that several Functions read, summed in the order the walk reaches them.
   One lazy ADD where they agree in dtype and shape (the graph Tensor's + builds), Tensor's + (promotion) otherwise."""
   if total.dtype == grad.dtype and total.shape == grad.shape and type(total) is type(grad):
-    return total.elementwise(_ADD, grad)
+    return total.elementwise(ADD, grad)
   return (Tensor(total, requires_grad=False) + Tensor(grad, requires_grad=False)).lazydata
 
 
@@ -710,7 +710,7 @@ def _own_value(lazy: LazyBuffer) -> LazyBuffer:
   """A gradient as a value of its own. One that folded to a tensor's memory (d(x*w)/dw is x itself) would otherwise
   name that memory and follow in-place writes to it (an optimizer step writing x before reading w.grad): an identity
   cast, fused into its readers, is a value computed from it, kept as it was at backward() (docs/reliability.md)."""
-  if type(lazy) is not LazyBuffer or (lazy.base.realized is None and lazy.base.op is not _ASSIGN): return lazy
+  if type(lazy) is not LazyBuffer or (lazy.base.realized is None and lazy.base.op is not ASSIGN): return lazy
   return LazyBuffer.create_base(lazy.device, lazy.shape, lazy.dtype, Ops.CAST, lazy.dtype, (lazy,))
 
 

@@ -30,7 +30,8 @@ from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad.function import Function, Permute, Reshape, Shrink, _tensor_class
 from ourgrad.helpers import DEBUG, FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD, FUSED_ATTENTION_PACKED, tf32_allowed
-from ourgrad.lazy import LazyBuffer, place_through_view, tiles_one_base
+from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy_views import place_through_view, tiles_one_base
 from ourgrad.ops import Ops
 from ourgrad.shape.symbolic import is_symbolic
 
@@ -86,7 +87,7 @@ VIEW_FUNCTIONS = (Reshape, Permute, Shrink)
 
 def packed_source(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
   """The tensor that q, k and v (B, H, L, D) are views of (through reshapes, permutes and slices recorded by autograd)
-  whose lazy value is the base they read and which they tile exactly (`LazyBuffer`'s `tiles_one_base`), when it
+  whose lazy value is the base they read and which they tile exactly (`lazy_views.tiles_one_base`), when it
   needs a gradient and the fused backward kernels will run; else None. The attention is then a Function of that
   tensor: `loss.gradient(q)` of a q used only by it finds no path (the gradients of leaves and of that tensor are
   whole)."""

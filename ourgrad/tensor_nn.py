@@ -33,12 +33,8 @@ from ourgrad.tensor_einsum import EinsumMixin
 from ourgrad.tensor_resize import ResizeMixin
 from ourgrad.tensor_attention import explain_attention, fused_attention, fused_attention_refusal
 from ourgrad.mixed_precision import CastPolicy, autocast_op
-from ourgrad.ops import Ops
+from ourgrad.ops import ADD, AND, CMPLT, CMPNE, NEG, RECIP, SQRT, SUM
 
-# Ops members read by the per-op code below, as module globals (an Enum class attribute read costs ~0.2 us in
-# Python 3.11: lazy.py's note)
-_ADD, _AND, _CMPLT, _CMPNE = Ops.ADD, Ops.AND, Ops.CMPLT, Ops.CMPNE
-_NEG, _RECIP, _SQRT, _SUM = Ops.NEG, Ops.RECIP, Ops.SQRT, Ops.SUM
 
 if TYPE_CHECKING:
   from ourgrad.lazy import LazyBuffer
@@ -98,7 +94,7 @@ def _index_nll(log_probs: Tensor, target: Tensor, reduction: str, ignore_index: 
     smooth = -log_probs.mean(-1) + (normalizer.squeeze(-1) if normalizer is not None else 0)
     loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
   targets = target.lazydata
-  keep = type(target)(targets.elementwise(_CMPNE, targets.operand_like(ignore_index)))
+  keep = type(target)(targets.elementwise(CMPNE, targets.operand_like(ignore_index)))
   loss = keep.where(loss, 0)
   if reduction == "mean": return loss.sum() / keep.sum().cast(loss.dtype)
   return _reduce(loss, reduction)
@@ -136,13 +132,13 @@ def _picked_logits(logits: Tensor, target: Tensor, one_hot: Tensor) -> Tensor:
   Tensor = type(logits)  # noqa: N806 (the concrete class; mixins never import it)
   rows, classes = logits.shape
   targets = _wide_targets(target)   # (integers: no gradient, so lazy buffers, as _one_hot)
-  in_range = F._not(targets.elementwise(_CMPLT, targets.operand_like(0)))   # target >= 0 (integers have no NaN)
-  in_range = in_range.elementwise(_AND, targets.elementwise(_CMPLT, targets.operand_like(classes)))
+  in_range = F._not(targets.elementwise(CMPLT, targets.operand_like(0)))   # target >= 0 (integers have no NaN)
+  in_range = in_range.elementwise(AND, targets.elementwise(CMPLT, targets.operand_like(classes)))
   # the target clamped before the offset is computed: row * C + target never wraps (R * C < 2**31), whatever the
   # target's value (a CPU row kernel computes it without -fwrapv, RowLinearizer._lane_nodes)
   column = F._where(in_range, targets, targets.operand_like(0)).cast(dtypes.int32)
   row_starts = Tensor.arange(rows, device=logits.device, dtype=dtypes.int32).lazydata
-  flat = F._mul(row_starts, row_starts.operand_like(classes)).elementwise(_ADD, column)
+  flat = F._mul(row_starts, row_starts.operand_like(classes)).elementwise(ADD, column)
   flat_index = F._where(in_range, flat, flat.operand_like(-1))
   return F.PickPerRow.apply(logits, Tensor(flat_index), one_hot.detach())
 
@@ -239,12 +235,12 @@ class LayerNormalize(F.Function):
     self.centered = F._sub(x, mean.expand(shape))
     variance = _mean_of(F._mul(self.centered, self.centered), axes, self.count)
     # Rsqrt's forward on var + eps (a Python scalar made at the reduced shape, as Tensor's + makes it)
-    self.rstd = variance.elementwise(_ADD, variance.operand_like(eps)).elementwise(_SQRT).elementwise(_RECIP)
+    self.rstd = variance.elementwise(ADD, variance.operand_like(eps)).elementwise(SQRT).elementwise(RECIP)
     self.normalized = F._mul(self.centered, self.rstd.expand(shape))
     out = self.normalized
     self.weight = None if weight is None else F._broadcast_to(weight, shape)
     if self.weight is not None: out = F._mul(out, self.weight)
-    return out if bias is None else out.elementwise(_ADD, F._broadcast_to(bias, shape))
+    return out if bias is None else out.elementwise(ADD, F._broadcast_to(bias, shape))
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:
     shape = self.centered.shape
@@ -267,17 +263,17 @@ class LayerNormalize(F.Function):
     grad_variance = F._scale(F._mul(grad_rstd, F._mul(result, F._mul(result, result))), -0.5)
     grad_squares = _mean_backward(grad_variance, shape, self.count)
     # the square's two factors, each added to the gradient of `centered` in the order the walk reached them
-    grad_centered = grad_centered.elementwise(_ADD, F._mul(self.centered, grad_squares))
-    grad_centered = grad_centered.elementwise(_ADD, F._mul(self.centered, grad_squares))
+    grad_centered = grad_centered.elementwise(ADD, F._mul(self.centered, grad_squares))
+    grad_centered = grad_centered.elementwise(ADD, F._mul(self.centered, grad_squares))
     # centered = x - mean: x directly, then through the mean
-    grad_mean = F._sum_to_shape(grad_centered.elementwise(_NEG), reduced)
+    grad_mean = F._sum_to_shape(grad_centered.elementwise(NEG), reduced)
     grads[0], grads[1] = grad_centered, _mean_backward(grad_mean, shape, self.count)
     return tuple(grads)
 
 
 def _mean_of(x: LazyBuffer, axes: tuple[int, ...], count: int) -> LazyBuffer:
   """Tensor.mean(axes, keepdim=True)'s graph on a float lazy buffer: the sum, divided by the count."""
-  total = x.reduce(_SUM, axes)
+  total = x.reduce(SUM, axes)
   return F._div(total, total.operand_like(count))
 
 

@@ -25,12 +25,9 @@ from ourgrad.errors import AxisError, DeviceError, ShapeError
 from ourgrad.helpers import prod
 from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import CastPolicy, autocast_op, store_low_precision
-from ourgrad.ops import Ops
+from ourgrad.ops import ADD, MAX_REDUCE, OR, SUM, WHERE
 from ourgrad.tensor_math import _broadcast_shape
 
-# Ops members read by the per-op code below, as module globals (an Enum class attribute read costs ~0.2 us in
-# Python 3.11: lazy.py's note)
-_ADD, _MAX_REDUCE, _OR, _SUM, _WHERE = Ops.ADD, Ops.MAX_REDUCE, Ops.OR, Ops.SUM, Ops.WHERE
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -75,19 +72,19 @@ def _with_indices(method: Callable[..., Any], arg_method: str) -> Callable[..., 
 def _logsumexp_lazy(source: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
   """Tensor.logsumexp's formula for a float32/float64 input cut from the graph, on lazy buffers: the very graph the
   Tensor ops build, op for op, without a Function and a Tensor per op (LogSumExpGrad gives the gradient)."""
-  peak = source.reduce(_MAX_REDUCE, axes)
-  infinite = F._equal(peak, peak.operand_like(math.inf)).elementwise(_OR,
+  peak = source.reduce(MAX_REDUCE, axes)
+  infinite = F._equal(peak, peak.operand_like(math.inf)).elementwise(OR,
                                                                      F._equal(peak, peak.operand_like(-math.inf)))
-  peak = infinite.elementwise(_WHERE, peak.operand_like(0), peak)   # (peak.isinf().where(0, peak))
+  peak = infinite.elementwise(WHERE, peak.operand_like(0), peak)   # (peak.isinf().where(0, peak))
   shifted = F._sub(source, peak.expand(source.shape))
-  return F._log(F._exp(shifted).reduce(_SUM, axes)).elementwise(_ADD, peak)
+  return F._log(F._exp(shifted).reduce(SUM, axes)).elementwise(ADD, peak)
 
 
 def _softmax_lazy(source: LazyBuffer, axes: tuple[int, ...]) -> LazyBuffer:
   """Tensor.softmax's formula for a float32/float64 input cut from the graph, on lazy buffers, op for op; SoftmaxGrad
   gives the gradient."""
-  exps = F._exp(F._sub(source, source.reduce(_MAX_REDUCE, axes).expand(source.shape)))
-  return F._div(exps, exps.reduce(_SUM, axes).expand(source.shape))
+  exps = F._exp(F._sub(source, source.reduce(MAX_REDUCE, axes).expand(source.shape)))
+  return F._div(exps, exps.reduce(SUM, axes).expand(source.shape))
 
 
 def _one_linear_node(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

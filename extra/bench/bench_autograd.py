@@ -6,8 +6,9 @@ Phases of a step (ourgrad_step in bench_jit.py, split apart):
   backward  loss.backward()
   optimizer optimizer.schedule_step() (the update expressions, unrealized)
   realize   Tensor.realize_all of the loss, the updates and the statistics
-Python calls: cProfile's count of function calls in one step's phase (deterministic: compare runs by it on a
-loaded machine). Times are thread CPU time (time.thread_time: waiting for one of a shared machine's cores does not
+Python calls: cProfile's count of function calls in one step's phase; bytecodes: the bytecode instructions the
+phase's Python frames executed (sys.settrace's opcode events). Both are deterministic: compare runs by them on a
+loaded machine. Times are thread CPU time (time.thread_time: waiting for one of a shared machine's cores does not
 count), the best of 3 runs of `--calls` steps, with every compiled host kernel a no-op. Counts come from separate
 counted steps.
 
@@ -115,6 +116,29 @@ def count_calls(step: PhasedStep) -> dict[str, int]:
   return result
 
 
+def count_bytecodes(step: PhasedStep) -> dict[str, int]:
+  """Bytecode instructions executed by Python frames in each phase of one step (C code counts nothing)."""
+  count = [0]
+
+  def local(frame: Any, event: str, arg: Any) -> Any:
+    if event == "opcode": count[0] += 1
+    return local
+
+  def start(frame: Any, event: str, arg: Any) -> Any:
+    frame.f_trace_opcodes = True
+    return local
+  result = {}
+  for phase in PHASES:
+    count[0] = 0
+    sys.settrace(start)
+    try:
+      step.run(phase)
+    finally:
+      sys.settrace(None)
+    result[phase] = count[0]
+  return result
+
+
 def phase_times(step: PhasedStep, calls: int, sync: Callable[[], None]) -> dict[str, float]:
   """Thread CPU seconds per call of each phase: the best of 3 runs of `calls` steps."""
   best = dict.fromkeys(PHASES, float("inf"))
@@ -153,14 +177,17 @@ def main() -> None:
       step = PhasedStep.classifier(make_model(), x, y)
     for _ in range(3): step.step()   # compile, fill the schedule cache
     sync()
-    counts, calls = count_nodes(step), count_calls(step)
+    counts, calls, bytecodes = count_nodes(step), count_calls(step), count_bytecodes(step)
     with host_kernels_disabled(device != "CUDA"):
       times = phase_times(step, args.calls, sync)
     print(f"## {name}")
-    print("| phase     | bases | views | Python calls | thread CPU us |")
+    print("| phase     | bases | views | Python calls | bytecodes | thread CPU us |")
     for phase in PHASES:
-      print(f"| {phase:9} | {counts[phase][0]:5} | {counts[phase][1]:5} | {calls[phase]:12} | "
+      print(f"| {phase:9} | {counts[phase][0]:5} | {counts[phase][1]:5} | {calls[phase]:12} | {bytecodes[phase]:9} | "
             f"{times[phase] * 1e6:13.1f} |")
+    bases, views = (sum(count[kind] for count in counts.values()) for kind in (0, 1))
+    print(f"| total     | {bases:5} | {views:5} | {sum(calls.values()):12} | {sum(bytecodes.values()):9} | "
+          f"{sum(times.values()) * 1e6:13.1f} |")
 
 
 if __name__ == "__main__":

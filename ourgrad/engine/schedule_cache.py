@@ -30,7 +30,7 @@ from ourgrad.engine.schedule_item import LoweringMemo
 from ourgrad.helpers import (ELEMENT_REDUCES, GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, RIDE_ALONG,
                              ROW_KERNELS, SPLIT_LAST_BLOCK, EnvSnapshot, env_var, register_cache_clearer, tf32_allowed)
 from ourgrad.lazy import LazyBuffer
-from ourgrad.ops import Ops
+from ourgrad.ops import CONST, Ops
 
 SCHEDULE_CACHE = env_var("SCHEDULE_CACHE", 1, "0: schedule every realize from scratch (no structural schedule cache)")
 SCHEDULE_TRACE = env_var("SCHEDULE_TRACE", 1, "0: the schedule cache keys every realize by walking its graph, not "
@@ -157,7 +157,7 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
       src_base = src if src._base is None else src._base
       # a constant only read (not an output, not forced, never stored: the scheduler puts its value into every
       # kernel reading it) is written into its readers' references instead of being walked and placed as a base
-      if src_base.op is _CONST and src_base.realized is None and not src_base.forced_realize and not src_base.srcs \
+      if src_base.op is CONST and src_base.realized is None and not src_base.forced_realize and not src_base.srcs \
           and id(src_base) not in roots:
         continue
       stack.append((src_base, False))
@@ -172,7 +172,6 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
   return tuple(tokens), bases, leaves
 
 
-_CONST = Ops.CONST
 # the first token of an inline constant's reference (a walked base's is its position, a leaf's a negative int)
 _INLINE = "inline constant"
 

@@ -33,12 +33,9 @@ from ourgrad.dtype import dtypes, least_upper_dtype
 from ourgrad.function import Function, _div, _mul, _sub
 from ourgrad.lazy import LazyBuffer
 from ourgrad.multi import MultiLazyBuffer
-from ourgrad.ops import Ops
+from ourgrad.ops import ADD, MAX, SUM
 from ourgrad.tensor import Tensor
 
-# Ops members read by the per-op code below, as module globals (an Enum class attribute read costs ~0.2 us in
-# Python 3.11: lazy.py's note)
-_ADD, _MAX, _SUM = Ops.ADD, Ops.MAX, Ops.SUM
 
 Lazy = LazyBuffer | MultiLazyBuffer
 
@@ -63,7 +60,7 @@ def per_channel(values: Lazy, shape: tuple[int, ...]) -> Lazy:
 
 def channel_sum(x: Lazy) -> Lazy:
   """The per-channel (C,) sum of an (N, C, ...) lazy value over every axis but 1."""
-  return x.reduce(_SUM, channel_reduce_axes(len(x.shape))).reshape((x.shape[1],))
+  return x.reduce(SUM, channel_reduce_axes(len(x.shape))).reshape((x.shape[1],))
 
 
 def batch_statistics(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -86,8 +83,8 @@ def batch_statistics(x: Tensor) -> tuple[Tensor, Tensor]:
   # clamped at 0: rounding can leave E[d^2] a hair below E[d]^2 for a constant channel
   squares_sum = channel_sum(_mul(shifted, shifted))
   variance = _sub(_div(squares_sum, squares_sum.operand_like(count)), _mul(shifted_mean, shifted_mean))
-  variance = variance.elementwise(_MAX, variance.operand_like(0.0))
-  mean = shift.reshape((x.shape[1],)).cast(accumulate).elementwise(_ADD, shifted_mean)
+  variance = variance.elementwise(MAX, variance.operand_like(0.0))
+  mean = shift.reshape((x.shape[1],)).cast(accumulate).elementwise(ADD, shifted_mean)
   return Tensor(mean.cast(x.dtype)), Tensor(variance.cast(x.dtype))
 
 
@@ -117,7 +114,7 @@ class BatchNormNormalize(Function):
     self.x, self.mean, self.invstd, self.weight = x, mean, invstd, weight
     out = self._normalized()
     if weight is not None: out = _mul(out, per_channel(weight, x.shape))
-    if bias is not None: out = out.elementwise(_ADD, per_channel(bias, x.shape))
+    if bias is not None: out = out.elementwise(ADD, per_channel(bias, x.shape))
     return out
 
   def _normalized(self) -> Lazy:

@@ -32,13 +32,10 @@ from ourgrad.mixed_precision import CastPolicy, autocast_op
 from ourgrad.multi import MultiLazyBuffer
 from ourgrad.nn.batchnorm import BatchNormNormalize, batch_statistics, channel_view, stored_statistics
 from ourgrad.nn.module import Module
-from ourgrad.ops import Ops
+from ourgrad.ops import ADD, RECIP, SQRT
 from ourgrad.tensor import Tensor
 from ourgrad.tensor_conv import conv_padding
 
-# Ops members read by the per-op code below, as module globals (an Enum class attribute read costs ~0.2 us in
-# Python 3.11: lazy.py's note)
-_ADD, _RECIP, _SQRT = Ops.ADD, Ops.RECIP, Ops.SQRT
 
 IntOrTuple = int | Sequence[int]
 
@@ -89,7 +86,7 @@ def _moving_average(running: Tensor, batch: LazyBuffer | MultiLazyBuffer, factor
     take = factor.lazydata.cast(old.dtype).reshape((1,)).expand(old.shape)
   else:
     keep, take = old.operand_like(1.0 - factor), old.operand_like(factor)
-  running.assign(Tensor(_mul(keep, old).elementwise(_ADD, _mul(take, batch.cast(old.dtype)))))
+  running.assign(Tensor(_mul(keep, old).elementwise(ADD, _mul(take, batch.cast(old.dtype)))))
 
 
 def _machine_epsilon(dtype: DType) -> float:
@@ -270,7 +267,7 @@ class BatchNorm(Module):
     mean, var = batch_statistics(x.detach())
     if self.training and self.track_running_stats: self._update_running_stats(mean, var, count)
     variance = var.lazydata
-    invstd = variance.elementwise(_ADD, variance.operand_like(self.eps)).elementwise(_SQRT).elementwise(_RECIP)
+    invstd = variance.elementwise(ADD, variance.operand_like(self.eps)).elementwise(SQRT).elementwise(RECIP)
     mean, invstd = stored_statistics(mean, Tensor(invstd))   # (var + eps).rsqrt(), without autograd
     affine = (self.weight, self.bias) if self.affine else ()
     return BatchNormNormalize.apply(x, mean, invstd, *affine)

@@ -40,13 +40,10 @@ from ourgrad.errors import AutogradError, DTypeError
 from ourgrad.lazy import LazyBuffer, _broadcast_scalar
 from ourgrad.mixed_precision import LOW_FLOAT_DTYPES, suspend_autocast
 from ourgrad.multi import MultiLazyBuffer, is_assignable
-from ourgrad.ops import Ops
+from ourgrad.ops import ADD, EXP2, MUL, NEG, RECIP, SQRT
 from ourgrad.tensor import Tensor, no_grad
 
 Lazy = LazyBuffer | MultiLazyBuffer
-# the Ops members the per-operation code below reads, as module globals: in Python 3.11 reading one off the Enum class
-# (`Ops.ADD`) takes EnumType's __getattr__ hook, ~0.2 us a read (lazy.py's note), and a step read a few hundred
-_CONST, _ADD, _MUL, _NEG, _RECIP, _SQRT, _EXP2 = Ops.CONST, Ops.ADD, Ops.MUL, Ops.NEG, Ops.RECIP, Ops.SQRT, Ops.EXP2
 
 
 def _state_like(param: Tensor) -> Tensor:
@@ -92,22 +89,25 @@ class _LazyUpdate:
 
   def constant(self, value: float, like: Lazy) -> Lazy:
     """`value` with `like`'s shape and dtype, only as an operand of the op being built (never a tensor's value)."""
+    if type(like) is LazyBuffer and like.shape:   # (most calls: operand_constant without operand_like's frame)
+      return LazyBuffer.operand_constant(value, like.shape, like.dtype, like.device)
     if type(like) is not LazyBuffer: return like.const_like(value)
-    if like.shape: return like.operand_like(value)
     key = (value, like.dtype, like.device)
     scalar = self._constants.get(key)
     if scalar is None: scalar = self._constants[key] = LazyBuffer.full(value, (), like.dtype, like.device)
     return scalar
 
   @staticmethod
-  def add(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(_ADD, y)
+  def add(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(ADD, y)
 
   def mul(self, x: Lazy, y: Lazy | float) -> Lazy:
+    if type(y) is float and type(x) is LazyBuffer and x.shape:   # (most calls: a hyper-parameter, constant's case)
+      return x.elementwise(MUL, LazyBuffer.operand_constant(y, x.shape, x.dtype, x.device))
     # (a hyper-parameter may be a numpy scalar: anything not a lazy buffer is a number)
-    return x.elementwise(_MUL, y if isinstance(y, (LazyBuffer, MultiLazyBuffer)) else self.constant(float(y), x))
+    return x.elementwise(MUL, y if isinstance(y, (LazyBuffer, MultiLazyBuffer)) else self.constant(float(y), x))
 
   @staticmethod
-  def neg(x: Lazy) -> Lazy: return x.elementwise(_NEG)   # (x * -1 for floats, as Tensor's neg)
+  def neg(x: Lazy) -> Lazy: return x.elementwise(NEG)   # (x * -1 for floats, as Tensor's neg)
 
   def one_minus(self, x: Lazy) -> Lazy:
     """1 - x, as Tensor's `1.0 - x` builds it: 1 + (-x)."""
@@ -115,35 +115,16 @@ class _LazyUpdate:
 
   def exp(self, x: Lazy) -> Lazy:
     """e ** x of a float32 value, as Tensor.exp builds it: exp2(x * (1 / ln 2))."""
-    return self.mul(x, 1 / math.log(2)).elementwise(_EXP2)
+    return self.mul(x, 1 / math.log(2)).elementwise(EXP2)
 
   @staticmethod
-  def div(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(_MUL, y.elementwise(_RECIP))   # as Tensor.div
+  def div(x: Lazy, y: Lazy) -> Lazy: return x.elementwise(MUL, y.elementwise(RECIP))   # as Tensor.div
 
   @staticmethod
-  def sqrt(x: Lazy) -> Lazy: return x.elementwise(_SQRT)
+  def sqrt(x: Lazy) -> Lazy: return x.elementwise(SQRT)
 
   @staticmethod
   def cast(x: Lazy, dtype: DType) -> Lazy: return x.cast(dtype)
-
-  @staticmethod
-  def direct(op: Ops, x: LazyBuffer, y: LazyBuffer | None = None) -> LazyBuffer:
-    """The base `x.elementwise(op, y)` makes where nothing folds, made without elementwise's checks: x and y are
-    computed values (no constant base) or shared operand constants of values that never fold (`_foldable`), of one
-    float dtype, shape and device (the caller checked), and op is not NEG."""
-    return LazyBuffer.create_base(x.device, x.shape, x.dtype, op, None, (x,) if y is None else (x, y))
-
-
-def _foldable(value: float) -> bool:
-  """Whether a hyper-parameter constant could fold in an ADD or MUL with a computed value (x + 0, x * 1, x * 0) or
-  compare unlike itself (NaN): where none can, `_LazyUpdate.direct` builds what `elementwise` would."""
-  return value == 0 or value == 1 or value != value
-
-
-def _is_computed(lazy: Any) -> bool:
-  """Whether `lazy` is a single device's LazyBuffer whose base is not a constant (memory, or an op to compute)."""
-  if type(lazy) is not LazyBuffer: return False
-  return (lazy if lazy._base is None else lazy._base).op is not _CONST
 
 
 def _write(tensor: Tensor, value: Lazy) -> Tensor:
@@ -455,20 +436,11 @@ class Adam(_AdamBase):
     correction1, correction2 = self._bias_corrections(lazy)
     # per step, not per parameter: p + (-lr / c1) * m / (sqrt(v) / sqrt(c2) + eps), the Tensor formula's operations
     minus_step_size = lazy.neg(lazy.div(self.lr_tensor.lazydata, correction1))
-    inverse_sqrt_correction2 = lazy.sqrt(correction2).elementwise(_RECIP)
+    inverse_sqrt_correction2 = lazy.sqrt(correction2).elementwise(RECIP)
     decay_factor = self._decay_factor(lazy)
     updated: list[Tensor] = [self.t]
-    # the per-step values and hyper-parameters allow every parameter's update to be built base by base (_direct)
-    direct = not (self.weight_decay and decay_factor is None) and \
-        _is_computed(minus_step_size) and _is_computed(inverse_sqrt_correction2) and \
-        (decay_factor is None or _is_computed(decay_factor)) and \
-        not any(_foldable(value) for value in (self.b1, 1.0 - self.b1, self.b2, 1.0 - self.b2, self.eps))
     for param, grad in active:
       index = index_of[id(param)]
-      if direct and self._direct(param, grad.lazydata, index, lazy, minus_step_size, inverse_sqrt_correction2,
-                                 decay_factor):
-        updated += [self.m[index], self.v[index], param]
-        continue
       weights, g = param.lazydata, lazy.cast(grad.lazydata, dtypes.float32)
       if self.weight_decay and decay_factor is None:   # Adam's L2 term: weight_decay * p added to the gradient
         g = lazy.add(g, lazy.mul(lazy.cast(weights, dtypes.float32), self.weight_decay))
@@ -479,37 +451,6 @@ class Adam(_AdamBase):
       step = lazy.div(lazy.mul(lazy.per_step(minus_step_size, m), m), denominator)
       updated += [self.m[index], self.v[index], _write(param, lazy.add(weights, lazy.cast(step, param.dtype)))]
     return updated
-
-  def _direct(self, param: Tensor, grad: Lazy, index: int, lazy: _LazyUpdate, minus_step_size: Lazy,
-              inverse_sqrt_correction2: Lazy, decay_factor: Lazy | None) -> bool:
-    """The update of one float32 parameter (no L2 term) built base by base with `_LazyUpdate.direct`: the bases the
-    general path above builds, in its order, with its operands (the same shared constants and per-step views), so
-    the graph and its values are the same; about a third of the Python per operation is elementwise's checks and
-    folding decisions, which cannot change anything here. False, having built nothing, where a value is not a
-    single device's float32 computed value of the parameter's shape (that path takes it)."""
-    weights, m_state, v_state = param.lazydata, self.m[index], self.v[index]
-    m_old, v_old = m_state.lazydata, v_state.lazydata
-    shape, device = weights.shape, weights.device
-    for value in (grad, weights, m_old, v_old):
-      if not _is_computed(value) or value.dtype is not dtypes.float32 or value.shape != shape or \
-          value.device != device:
-        return False
-    if not shape: return False   # (0-d: _LazyUpdate.constant's own 0-d constants)
-    node, float32 = lazy.direct, dtypes.float32
-    def constant(value: float) -> LazyBuffer: return LazyBuffer.operand_constant(value, shape, float32, device)
-    if decay_factor is not None: weights = node(_MUL, weights, lazy.per_step(decay_factor, weights))
-    # _moments: m = b1 * m + (1 - b1) * g and v = b2 * v + (1 - b2) * g * g
-    m_new = node(_MUL, m_old, constant(float(self.b1)))
-    _write(m_state, node(_ADD, m_new, node(_MUL, grad, constant(float(1.0 - self.b1)))))
-    v_new = node(_MUL, v_old, constant(float(self.b2)))
-    squares = node(_MUL, node(_MUL, grad, grad), constant(float(1.0 - self.b2)))
-    _write(v_state, node(_ADD, v_new, squares))
-    m, v = m_state.lazydata, v_state.lazydata
-    denominator = node(_ADD, node(_MUL, node(_SQRT, v), lazy.per_step(inverse_sqrt_correction2, v)),
-                       constant(float(self.eps)))
-    step = node(_MUL, node(_MUL, lazy.per_step(minus_step_size, m), m), node(_RECIP, denominator))
-    _write(param, node(_ADD, weights, step))
-    return True
 
 
 class AdamW(Adam):
