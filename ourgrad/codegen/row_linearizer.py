@@ -765,6 +765,9 @@ class RowLinearizer(Linearizer):
     (codegen/row_interleave.py)."""
     build, warp_size = self.builder, self.kernel.renderer.warp_size
     dtype = partial.dtype
+    # a row one thread holds whole: its partial is the row's (the tree below would have the block's rows, one thread
+    # each, store to one local element: a split decode attention's short pieces of 4 slots, 2 rows a block)
+    if threads == 1: return partial
     if lanes is not None: return interleaved_combine(self, partial, op, thread, threads, number, *lanes)
     if 2 <= threads < warp_size and threads & (threads - 1) == 0:   # a row of a block's rows: part of a warp
       return build.add(UOps.WARP_REDUCE, dtype, (partial,), (op, threads, 1))
