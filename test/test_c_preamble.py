@@ -1,4 +1,4 @@
-"""The C kernels' preamble (renderer/cstyle.py C_PREAMBLE): the C library functions a kernel calls are declared there
+"""The C kernels' preamble (renderer/cpu_loops.py C_PREAMBLE): the C library functions a kernel calls are declared there
 instead of including math.h (a fifth of a small kernel's gcc time), and a call of one not declared fails the build
 (-Werror=implicit-function-declaration) instead of going through an implicit `int f()` declaration."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from ourgrad import Device, Tensor, dtypes
 from ourgrad.errors import CompileError
-from ourgrad.renderer.cstyle import C_MATH_FUNCTIONS, C_PREAMBLE
+from ourgrad.renderer.cpu_loops import C_MATH_FUNCTIONS, C_PREAMBLE
 
 
 def test_preamble_declares_each_math_function_without_math_h():

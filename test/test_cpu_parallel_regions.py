@@ -18,7 +18,7 @@ from ourgrad.dtype import dtypes
 from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.ops import Ops
-from ourgrad.renderer.cstyle import executed_uops, leading_global_loops
+from ourgrad.renderer.cpu_loops import executed_uops, leading_global_loops
 from ourgrad.runtime.openmp import SPIN_COUNT, configure_wait_policy, wait_policy
 
 

@@ -70,7 +70,7 @@ def _numpy_attention(inputs: dict[str, np.ndarray]) -> np.ndarray:
 
 
 # (sequences, kv_heads, group, slots, staged rows a block): one sequence's rows interleave 8 head_dim outputs of one
-# query head (one staged row); more stack the group's query heads in each thread (codegen/row_linearizer.py stacked
+# query head (one staged row); more stack the group's query heads in each thread (codegen/row_blocks.py stacked
 # rows: the values read once for them), each head's scores a staged row of its own
 @pytest.mark.parametrize("sequences, kv_heads, group, slots, staged", [(1, 3, 3, 40, 1), (8, 3, 3, 40, 3),
                                                                         (2, 1, 2, 300, 2)],

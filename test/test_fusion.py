@@ -477,7 +477,7 @@ def test_conv_batchnorm_pool_gradients_match_torch():
 
 def test_row_kernels_default_to_devices_with_rows_owned_by_a_thread_or_a_block(monkeypatch: pytest.MonkeyPatch):
   """By default a CPU fuses softmax into one row kernel (a thread per row) and so does a GPU-style device with local
-  memory (PYTHON, CUDA: a block per row, codegen/row_linearizer.py); ROW_KERNELS forces either way."""
+  memory (PYTHON, CUDA: a block per row, codegen/row_blocks.py); ROW_KERNELS forces either way."""
   from ourgrad.engine.kernel_walk import row_kernels_enabled
   monkeypatch.delenv("ROW_KERNELS", raising=False)
   assert row_kernels_enabled("CLANG") and row_kernels_enabled("PYTHON")

@@ -1,4 +1,4 @@
-"""Interleaved rows of GPU row kernels (codegen/row_linearizer.py `_interleaved_rows`): where a kernel's largest loads
+"""Interleaved rows of GPU row kernels (codegen/row_blocks.py `_interleaved_rows`): where a kernel's largest loads
 are strided along the row but contiguous across neighbouring rows (a decode step's P @ V: the cache read along the
 slots for each head_dim output), neighbouring threads take neighbouring rows and a row's threads sit that many lanes
 apart, so that a warp's load reads whole 32-byte sectors.

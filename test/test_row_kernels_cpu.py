@@ -20,7 +20,8 @@ from ourgrad.device import Buffer, Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine.realize import load_program
 from ourgrad.engine.schedule import create_schedule
-from ourgrad.renderer.cstyle import C_PREAMBLE, ClangRenderer
+from ourgrad.renderer.cpu_loops import C_PREAMBLE
+from ourgrad.renderer.cstyle import ClangRenderer
 
 from helpers import ROW_NORMALIZATIONS
 

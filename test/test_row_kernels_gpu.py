@@ -1,4 +1,4 @@
-"""Row kernels on GPUs (codegen/row_linearizer.py): a block owns a row, partials meet through warp shuffles and local
+"""Row kernels on GPUs (codegen/row_blocks.py): a block owns a row, partials meet through warp shuffles and local
 memory, short rows stay in registers.
 
 Each row kernel is lowered for a GPU renderer (CUDA's limits through the PYTHON device's `EMULATE=CUDA` mode, and the
@@ -19,8 +19,8 @@ from ourgrad import Tensor
 from ourgrad.codegen.opt import split_reduce
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
-from ourgrad.codegen import row_linearizer, row_passes
-from ourgrad.codegen.row_linearizer import PERSISTENT_UNITS, row_block_threads, row_sharing
+from ourgrad.codegen import row_blocks, row_passes
+from ourgrad.codegen.row_blocks import PERSISTENT_UNITS, row_block_threads, row_sharing
 from ourgrad.codegen.uops import UOps, launch_dims
 from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
@@ -228,7 +228,7 @@ def test_streamed_rows_take_smaller_blocks_and_match_torch(name: str):
   x_np = np.random.default_rng(8).standard_normal((8, 40960)).astype(np.float32) * 3
   item = _row_item(ours(Tensor(x_np, device="PYTHON")))
   kernel = Kernel(item.ast, renderer)
-  assert launch_dims(linearize(Kernel(item.ast, renderer)))[1][0] == row_linearizer.STREAMED_ROW_THREADS
+  assert launch_dims(linearize(Kernel(item.ast, renderer)))[1][0] == row_blocks.STREAMED_ROW_THREADS
   expected = theirs(torch.tensor(x_np)).numpy()
   np.testing.assert_allclose(_run(kernel, item).reshape(expected.shape), expected, rtol=2e-5, atol=2e-5)
 

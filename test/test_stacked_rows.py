@@ -1,4 +1,4 @@
-"""Stacked rows of GPU row kernels (codegen/row_linearizer.py `_stacked_rows`): rows that share a broadcast operand
+"""Stacked rows of GPU row kernels (codegen/row_blocks.py `_stacked_rows`): rows that share a broadcast operand
 (a batched matrix-vector product's weights, grouped-query attention's values) computed by one thread group side by
 side, the shared loads read once for all of them.
 

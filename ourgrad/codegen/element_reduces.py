@@ -35,7 +35,7 @@ ELEMENT_ROW_BYTES = 16 * 1024
 
 if TYPE_CHECKING:
   from ourgrad.codegen.kernel import Kernel
-  from ourgrad.codegen.row_linearizer import RowLinearizer
+  from ourgrad.codegen.row_blocks import BlockRowLinearizer
 
 
 def is_element_leaf(kernel: Kernel, leaf: LazyOp) -> bool:
@@ -80,7 +80,7 @@ def varies_along(reduce: LazyOp, axis: int) -> bool:
   return False
 
 
-def shared_across_rows(linearizer: RowLinearizer, row_dims: list[int], per_block: int) -> bool:
+def shared_across_rows(linearizer: BlockRowLinearizer, row_dims: list[int], per_block: int) -> bool:
   """Whether the `per_block` neighbouring rows of a block (along the last row axis, where they stay inside it) read
   the same element reduce values, so that one staged row serves them all."""
   kernel = linearizer.kernel
@@ -112,7 +112,7 @@ class ElementStage:
   cache slot's key row) and combine by shuffles; the block's `block_threads / lanes` groups take the row's elements
   g, g + G, ... (unrolled, so that all of a thread's loads are in flight at once)."""
 
-  def __init__(self, linearizer: RowLinearizer, staged_rows: list[list[Node]], block_thread: Node,
+  def __init__(self, linearizer: BlockRowLinearizer, staged_rows: list[list[Node]], block_thread: Node,
                block_threads: int):
     self.linearizer = linearizer
     kernel = linearizer.kernel

@@ -10,7 +10,7 @@ from ourgrad.codegen.uops import UOp, UOps, launch_dims
 from ourgrad.dtype import dtypes
 from ourgrad.helpers import prod
 from ourgrad.ops import Ops
-from ourgrad.renderer.cstyle import loop_trip_bound
+from ourgrad.renderer.cpu_loops import loop_trip_bound
 from ourgrad.shape.symbolic import sym_max
 
 

@@ -762,8 +762,11 @@ def _post_order(root: LazyOp, stops: set[int]) -> list[LazyOp]:
 
 def linearize(kernel: Kernel) -> list[UOp]:
   if kernel.row_axes is not None:
-    # imported here: the row linearizer builds on Linearizer, so its module imports this one
+    # imported here: the row linearizers build on Linearizer, so their modules import this one
+    from ourgrad.codegen.row_blocks import BlockRowLinearizer
     from ourgrad.codegen.row_linearizer import RowLinearizer
+    # a block per row where the GPU has local memory for the block's partials; else a thread (a CPU loop) per row
+    if kernel.renderer.has_threads and kernel.renderer.has_local: return BlockRowLinearizer(kernel).linearize()
     return RowLinearizer(kernel).linearize()
   return Linearizer(kernel).linearize()
 

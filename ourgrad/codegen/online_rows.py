@@ -1,4 +1,4 @@
-"""Which reduces of a row kernel share one pass over the row (codegen/row_linearizer.py, GPU rows that loop).
+"""Which reduces of a row kernel share one pass over the row (codegen/row_blocks.py, GPU rows that loop).
 
 A GPU block whose row does not fit its registers reads the row again at every pass (from L2, or from memory when
 the rows in flight outgrow L2: a vocabulary row of 50304 floats is 200 KB). Reduces that do not need each other's

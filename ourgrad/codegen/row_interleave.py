@@ -1,4 +1,4 @@
-"""Interleaved rows of a GPU row kernel (codegen/row_linearizer.py): neighbouring threads take neighbouring rows and
+"""Interleaved rows of a GPU row kernel (codegen/row_blocks.py): neighbouring threads take neighbouring rows and
 each row's threads sit `interleave` lanes apart, for kernels whose largest loads are strided along the row but
 contiguous across the rows. Grouped-query decode attention's P @ V (extra/models/llama.py `softmax_weighted_sum`)
 reads the cache (slots, heads, head_dim) along the slots for each head_dim output: with a warp a row its lanes were
@@ -16,7 +16,7 @@ from ourgrad.shape.symbolic import Node
 
 if TYPE_CHECKING:
   from ourgrad.codegen.kernel import Kernel
-  from ourgrad.codegen.row_linearizer import RowLinearizer
+  from ourgrad.codegen.row_blocks import BlockRowLinearizer
 
 # the bytes a GPU's memory transaction moves (an L1/L2 sector): rows are interleaved until a warp's load of a strided
 # operand reads whole sectors
@@ -51,7 +51,7 @@ def interleaved_rows(kernel: Kernel, row_dims: list[int], rows: int) -> int:
   return interleave if interleave >= 2 and shape[across_rows] % interleave == 0 and rows % interleave == 0 else 1
 
 
-def interleaved_combine(linearizer: RowLinearizer, partial: UOp, op: Ops, thread: Node, threads: int, number: int,
+def interleaved_combine(linearizer: BlockRowLinearizer, partial: UOp, op: Ops, thread: Node, threads: int, number: int,
                         place: Node, interleave: int) -> UOp:
   """Every thread's partial of its row combined, held by every thread of the row afterwards (`thread` of `threads`:
   the thread's place in its row; `place`: the row's among the block's `interleave` rows). A warp holds

@@ -1,4 +1,4 @@
-"""The passes of a GPU row kernel's block over its row (codegen/row_linearizer.py): which units each thread takes,
+"""The passes of a GPU row kernel's block over its row (codegen/row_blocks.py): which units each thread takes,
 in what order, and which loads a loop iteration issues together."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ourgrad.ops import REDUCE_OPS, LazyOp, Ops
 from ourgrad.shape.symbolic import Node, NumNode, Variable
 
 if TYPE_CHECKING:
-  from ourgrad.codegen.row_linearizer import RowLinearizer
+  from ourgrad.codegen.row_blocks import BlockRowLinearizer
 
 # A GPU thread whose row loops takes this many units' worth of registers (float4s) an iteration, loaded together
 LOOP_REGISTER_UNITS = 4
@@ -30,8 +30,8 @@ class RowPasses:
   vocabulary row at half the copy rate) with no guard; the iterations left over (fewer than `loop_units`, and the one
   past the row's end when the row's units are not a multiple of T, under an IF) follow, unrolled."""
 
-  def __init__(self, linearizer: RowLinearizer, idxs: list[Node], thread: Node, threads: int, units: int, width: int,
-               persistent: bool):
+  def __init__(self, linearizer: BlockRowLinearizer, idxs: list[Node], thread: Node, threads: int, units: int,
+               width: int, persistent: bool):
     self.linearizer, self.idxs, self.thread, self.threads = linearizer, idxs, thread, threads
     self.units, self.width, self.persistent = units, width, persistent
     self.per_thread = math.ceil(units / threads)

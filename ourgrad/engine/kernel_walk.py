@@ -190,7 +190,7 @@ def element_reduce_refusal(reduce: LazyBuffer, view: ShapeTracker, row_loop_shap
 # batch of each row's logsumexp), accumulated after each row. The rows are then a loop in one thread (CPU) or one
 # block (GPU) instead of spread over cores or blocks: only for a loop shape of at most this many elements, where one
 # launch less is worth more than the parallel rows (two kernels beyond it). A GPU's one block (256 threads, a few
-# floats each per pass: codegen/row_linearizer.py _linearize_final_rows) takes a few passes at most: a lower cap.
+# floats each per pass: codegen/row_blocks.py _linearize_final_rows) takes a few passes at most: a lower cap.
 MAX_FINAL_REDUCE_ELEMENTS = 1 << 16
 MAX_FINAL_REDUCE_ELEMENTS_GPU = 1 << 13
 
@@ -292,7 +292,7 @@ def joins_rows(reduce: LazyBuffer) -> bool:
 
 def row_kernels_enabled(device: str) -> bool:
   """Whether reduces over the same rows may share a kernel on `device` (ROW_KERNELS). On a CPU a thread owns a row;
-  on a GPU a block does (codegen/row_linearizer.py), which needs local memory for the block's partials: a GPU
+  on a GPU a block does (codegen/row_blocks.py), which needs local memory for the block's partials: a GPU
   without it keeps the grouped one-reduce kernels (one thread per long row would read uncoalesced memory)."""
   setting = int(ROW_KERNELS.value)
   if setting >= 0: return bool(setting)

@@ -347,7 +347,7 @@ def _bound_kernel_sizes(bases: list[LazyBuffer], realizes: Realizations, limit: 
 # ops computed per element of the graph count: an op it reads through a broadcast (the reciprocal of a scalar count,
 # a per-row statistic) has one value per many elements.
 RECOMPUTE_COST_LIMIT = 4
-REGISTER_ROW_VISITS = 8   # codegen/row_linearizer.py MAX_STACKED_ROWS; the heuristic's upcasts of a thin product
+REGISTER_ROW_VISITS = 8   # codegen/row_blocks.py MAX_STACKED_ROWS; the heuristic's upcasts of a thin product
 TRANSCENDENTAL_OPS = frozenset({Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIP})
 
 

@@ -16,7 +16,8 @@ from ourgrad.renderer.cbytedot import CLANG_BYTE_DOT
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import CPU_VECTORS
 from ourgrad.ops import Ops
-from ourgrad.renderer import Renderer
+from ourgrad.renderer import Renderer, cpu_loops
+from ourgrad.renderer.cpu_loops import C_PREAMBLE
 from ourgrad.renderer.cvector import VectorPlan, elementwise_simd_loop, through_first_loop_nest, vector_typedefs
 
 
@@ -126,16 +127,6 @@ C_CODE_FOR_OP: dict[Ops, AluRendering] = {
 }
 
 
-# What a C kernel needs of the C library, declared here instead of including <math.h>: parsing math.h's thousands of
-# lines took ~11 ms of gcc 12's ~55 ms of CPU for a small kernel (one compile per kernel, on every first run; the
-# assembly is the same). The compiler knows these functions as builtins (sqrtf becomes an instruction), the others
-# are libm's; the constants are glibc's own definitions. ops_clang compiles with -Werror=implicit-function-declaration,
-# so a kernel calling a function not declared here fails to build instead of getting an implicit `int` declaration.
-C_MATH_FUNCTIONS = ("exp2", "log2", "sin", "sqrt")   # the names math_call is given (C_CODE_FOR_OP, cvector's sqrtf)
-C_PREAMBLE = ("".join(f"float {name}f(float); double {name}(double);\n" for name in C_MATH_FUNCTIONS) +
-              "#define INFINITY (__builtin_inff())\n#define NAN (__builtin_nanf(\"\"))\n#include <stdbool.h>\n")
-
-
 # Scalar float max and select for C on the CPU, written as bit selects on one SIMD lane: gcc turns the `?:` of a
 # float compare into a conditional jump, which data with random signs (a GELU's erf, a ReLU's mask) mispredicts
 # about half the time (measured: a fused matmul + GELU epilogue about 2x slower with the jumps)
@@ -169,40 +160,6 @@ def _clang_where(renderer: CStyleLanguage, operands: list[str], dtype: DType) ->
   if renderer.render_dtype(dtype) == "float" and renderer.scalar_selects:
     return f"fsel({condition}, {if_true}, {if_false})"
   return f"({condition} ? {if_true} : {if_false})"
-
-
-def loop_trip_bound(loop: UOp) -> int:
-  """Iterations of a RANGE: exact for constant bounds; a bound that is a kernel int argument (DEFINE_VAR, a
-  symbolic size) counts as its largest value; any other expression as 1."""
-  start, end = loop.srcs
-  if end.op is UOps.CONST: return end.arg - start.arg
-  return end.arg[2] if end.op is UOps.DEFINE_VAR else 1
-
-
-def leading_global_loops(uops: list[UOp]) -> list[UOp]:
-  """The global loops that open the kernel one directly inside the other (constants between them render inline)."""
-  loops: list[UOp] = []
-  for uop in uops[next((index for index, uop in enumerate(uops) if uop.op is UOps.RANGE), len(uops)):]:
-    if uop.op is UOps.CONST: continue
-    if uop.op is not UOps.RANGE or uop.arg[1] is not AxisType.GLOBAL: break
-    loops.append(uop)
-  return loops
-
-
-def executed_uops(uops: list[UOp], lanes: int = 1) -> int:
-  """About how many UOps (or SIMD instructions) one run of the kernel executes: each one times the trip counts of
-  the loops around it (loop_trip_bound's), so that loops one after another add up instead of multiplying; a loop
-  the renderer vectorizes (an UPCAST or UNROLL RANGE: a CPU row kernel's `omp simd` lanes) counts once per `lanes`."""
-  total, trips = 0, [1]
-  for uop in uops:
-    if uop.op is UOps.ENDRANGE:
-      trips.pop()
-      continue
-    total += trips[-1]
-    if uop.op is UOps.RANGE:
-      trip = loop_trip_bound(uop)
-      trips.append(trips[-1] * (-(-trip // lanes) if uop.arg[1] in (AxisType.UPCAST, AxisType.UNROLL) else trip))
-  return total
 
 
 def stored_format_locals(uops: list[UOp]) -> set[int]:
@@ -635,30 +592,15 @@ class ClangRenderer(CStyleLanguage):
   # BYTE_DOT_ADD: integer products of bytes as SIMD byte multiply-adds (codegen/integer_rows.py byte_dots)
   byte_dot_products = True
 
+  # the OpenMP choices (renderer/cpu_loops.py), from this kernel's `omp simd` loop and the target's SIMD width
   def parallel_loop_count(self, uops: list[UOp]) -> int:
-    """The global loops come first: collapse the perfectly nested ones (up to the first statement between two of
-    them: a gated store's condition, Linearizer._open_kept_gate) into one parallel loop when the kernel does enough
-    work and that loop has at least two iterations to share (a one-row norm's kernel of 1x1 global loops opened a
-    parallel region for one thread: a sleeping thread's wake-up, ~20 us on a loaded 2-core VM, for a 1 us kernel).
-    Each iteration writes its own outputs, so threads never share a store."""
-    global_loops = leading_global_loops(uops)
-    shared = math.prod(loop_trip_bound(loop) for loop in global_loops)
-    if shared < 2 or executed_uops(uops, max(self.vector_bytes // 4, 1)) < self.parallel_min_work: return 0
-    # an elementwise kernel's innermost loop stays inside each thread's iteration as its `omp simd` loop; a kernel of
-    # one loop shares it: `parallel for simd`
-    return len(global_loops) - 1 if self.simd_loop is not None and len(global_loops) > 1 else len(global_loops)
+    return cpu_loops.parallel_loop_count(uops, self.simd_loop, max(self.vector_bytes // 4, 1), self.parallel_min_work)
 
   def loop_pragma(self, loop: UOp) -> str:
-    """`omp simd`, with `simdlen(n)` for an elementwise loop too short for two vectors of the target's width: n the
-    largest power of two, at least 8 lanes, that runs twice (20 columns at AVX-512: 8 lanes; the CNN step's
-    batchnorm-and-max-pool backward, 128x32x20x20 with 3 gathered operands, one core: 2.5 -> 1.6 ms, AVX2 1.5)."""
-    trip, lanes = loop_trip_bound(loop), self.vector_bytes // 4
-    if loop is not self.simd_loop or trip >= 2 * lanes or trip < 16: return self.vector_loop_pragma
-    return f"{self.vector_loop_pragma} simdlen({1 << (trip // 2).bit_length() - 1})"
+    return cpu_loops.simd_loop_pragma(loop, self.simd_loop, self.vector_bytes // 4, self.vector_loop_pragma)
 
   def parallel_pragma(self, loop_count: int) -> str:
-    simd = " simd" if self.simd_loop_is_parallel else ""
-    return "#pragma omp parallel for" + simd + (f" collapse({loop_count})" if loop_count > 1 else "")
+    return cpu_loops.parallel_pragma(loop_count, self.simd_loop_is_parallel)
 
   def render(self, name: str, uops: list[UOp]) -> str:
     # this kernel's choices live on a copy, so the device's one renderer holds no per-kernel state
