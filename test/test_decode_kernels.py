@@ -280,16 +280,18 @@ def emulated_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 # (device, kernels per block, kernels outside the blocks) of a fixed-shape decode step: lowered for CUDA (thread blocks:
 # the norms' scales and the softmax recomputed in the row kernels that read them, test_models; with ELEMENT_REDUCES=1
 # attention's scores an element reduce of the softmax x V row kernel, codegen/element_reduces.py, one kernel less;
+# with ATTENTION_CHUNKS=4 as well that row kernel is over 4 pieces of the cache's 16 slots, and a second small kernel
+# combines the pieces (llama.py split_softmax_weighted_sum; pieces past a sequence's position are all masked);
 # several sequences: the SwiGLU product
 # stored, one kernel more; the blocks' cache writes one packed kernel after the logits) and on a CPU (the normalized
 # row and the SwiGLU product stored before the products that read them: extra/models/llama.py)
 DECODE_DEVICES = {"emulated_cuda": ("PYTHON", 6, 2), "emulated_cuda_element_reduces": ("PYTHON", 5, 2),
-                  "clang": ("CLANG", 12, 2)}
+                  "emulated_cuda_split_attention": ("PYTHON", 6, 2), "clang": ("CLANG", 12, 2)}
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "q8_0"])
 @pytest.mark.parametrize("sequences", [1, 8])
-@pytest.mark.parametrize("target", ["emulated_cuda", "emulated_cuda_element_reduces",
+@pytest.mark.parametrize("target", ["emulated_cuda", "emulated_cuda_element_reduces", "emulated_cuda_split_attention",
                                     pytest.param("clang", marks=pytest.mark.slow)])  # clang: ~20 s
 def test_decode_matches_float32_reference(kind: str, sequences: int, target: str, request,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -301,8 +303,9 @@ def test_decode_matches_float32_reference(kind: str, sequences: int, target: str
   monkeypatch.setenv("INTEGER_PRODUCTS", "0")
   device, per_block, outside = DECODE_DEVICES[target]
   if target.startswith("emulated_cuda"): request.getfixturevalue("emulated_cuda")
-  if target == "emulated_cuda_element_reduces":
+  if target in ("emulated_cuda_element_reduces", "emulated_cuda_split_attention"):
     monkeypatch.setenv("ELEMENT_REDUCES", "1")
+    if target == "emulated_cuda_split_attention": monkeypatch.setenv("ATTENTION_CHUNKS", "4")
     clear_caches()   # schedules made without element reduces (the same graphs, earlier tests)
   if target.startswith("emulated_cuda") and sequences > 1: per_block += 1   # the SwiGLU product, stored
   weights = _decode_weights(seed=11)

@@ -22,7 +22,7 @@ from ourgrad.helpers import clear_caches
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
-from extra.models.llama import Llama, LlamaConfig, softmax_weighted_sum
+from extra.models.llama import Llama, LlamaConfig, softmax_weighted_sum, split_softmax_weighted_sum
 from helpers import nvrtc_compiler
 from test_models import _tiny_weights
 
@@ -100,6 +100,41 @@ def test_decode_attention_is_one_kernel(sequences: int, kv_heads: int, group: in
     NVRTC.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
   # values from a graph built again (this one's buffers were given to the schedule above)
   np.testing.assert_allclose(_decode_attention(inputs, "PYTHON").numpy(), _numpy_attention(inputs), rtol=1e-5,
+                             atol=1e-5)
+
+
+def _split_decode_attention(inputs: dict[str, np.ndarray], chunks: int) -> Tensor:
+  """`_decode_attention` with the slots in `chunks` pieces (llama.py `split_softmax_weighted_sum`)."""
+  sequences, kv_heads, group, head_dim = inputs["q"].shape
+  q = Tensor(inputs["q"], device="PYTHON")
+  keys = Tensor(inputs["k"], device="PYTHON").permute(0, 2, 3, 1)
+  values = Tensor(inputs["v"], device="PYTHON").permute(0, 2, 1, 3)
+  scores = q @ keys * (1.0 / math.sqrt(head_dim)) + Tensor(inputs["mask"], device="PYTHON").reshape(sequences, 1, 1, -1)
+  return split_softmax_weighted_sum(scores, values, chunks)
+
+
+# (sequences, kv_heads, group, slots, chunks): SmolLM2's heads over 40 slots in 4 pieces of 10, and 2 query heads of
+# one KV head over 16 slots in 4 pieces of 4 (a row one thread holds whole, 2 rows a block: their block combine)
+@pytest.mark.parametrize("sequences, kv_heads, group, slots, chunks", [(1, 3, 3, 40, 4), (2, 1, 2, 16, 4)],
+                         ids=["smollm2_heads", "short_pieces"])
+def test_split_decode_attention_is_two_kernels(sequences: int, kv_heads: int, group: int, slots: int, chunks: int,
+                                               emulated_cuda: None) -> None:
+  """Decode attention split over the slots (flash-decoding): one row kernel for the pieces, whose scores are an
+  element reduce staged per block (the softmax's max read inside its exp and in the stored log-sum-exp: the scheduler
+  counts one kernel reading the scores, engine/store_or_recompute.py), then a small kernel combining the pieces;
+  numpy's values, with pieces that the mask hides entirely (log-sum-exp -inf, weight 0); the CUDA source compiles."""
+  inputs = _attention_inputs(sequences, kv_heads, group, 64, slots, seed=slots)
+  inputs["mask"][:, slots // 2:] = -np.inf   # the later pieces all masked, as a cache's unwritten tail
+  schedule = create_schedule([_split_decode_attention(inputs, chunks).lazydata])
+  assert len(schedule) == 2
+  pieces = Kernel(schedule[0].ast, Device["PYTHON"].renderer)
+  assert len(pieces.element_reduces) == 1 and pieces.row_axes is not None
+  if NVRTC is not None:
+    for item in schedule:
+      cuda = Kernel(item.ast, CUDARenderer())
+      hand_coded_optimizations(cuda)
+      NVRTC.compile(CUDARenderer().render(cuda.name, linearize(cuda)))
+  np.testing.assert_allclose(_split_decode_attention(inputs, chunks).numpy(), _numpy_attention(inputs), rtol=1e-5,
                              atol=1e-5)
 
 

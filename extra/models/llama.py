@@ -45,7 +45,7 @@ import numpy as np
 
 from ourgrad import Tensor, TinyJit, dtypes
 from ourgrad.device import Device, PendingRead
-from ourgrad.helpers import INTEGER_PRODUCTS
+from ourgrad.helpers import ELEMENT_REDUCES, INTEGER_PRODUCTS, env_var
 from ourgrad.errors import ShapeError
 from ourgrad.nn.gguf import INTEGER_PRODUCT_TYPES, PackedTensor, gguf_load
 from ourgrad.shape import Variable
@@ -142,6 +142,44 @@ def softmax_weighted_sum(scores: Tensor, values: Tensor) -> Tensor:
   exps = (rows - rows.max(-1, keepdim=True)).exp()
   weighted = (exps * values.transpose(-1, -2).unsqueeze(-3)).sum(-1)
   return (weighted / exps.sum(-1)).contiguous()   # stored by this kernel: a reader's kernel would refuse its reduces
+
+
+# decode attention over the whole cache (fixed shapes) in this many chunks of slots (`split_softmax_weighted_sum`),
+# where the scores are computed inside the row kernel (ELEMENT_REDUCES); 0: one row kernel over all slots
+ATTENTION_CHUNKS = env_var("ATTENTION_CHUNKS", 0, "a GPU decode step's attention over the cache in this many chunks "
+                           "of slots, each a block's scores and partial softmax x V, combined by a second small kernel "
+                           "(with ELEMENT_REDUCES=1; extra/models/llama.py split_softmax_weighted_sum); 0: unsplit")
+
+
+def split_softmax_weighted_sum(scores: Tensor, values: Tensor, chunks: int) -> Tensor:
+  """softmax(scores) @ values as `softmax_weighted_sum`, for scores (..., m, n) and values (..., n, d), with the n
+  slots split into `chunks` pieces (a divisor of n), as flash-decoding does: each piece's rows (..., m, chunk, d)
+  reduce over n / chunks slots only (its max, sum of exp and weighted sum: one row kernel whose blocks each read a
+  piece of the cache, not all of it), storing the piece's normalized weighted sum and its log-sum-exp; then the
+  pieces are combined by their softmax weights (`softmax_weighted_sum` over the pieces' log-sum-exps). A piece
+  whose scores are all -inf (the cache's unwritten tail under the mask) has log-sum-exp -inf and weight 0."""
+  *lead, m, n = scores.shape
+  d, length = values.shape[-1], n // chunks
+  # one more column holds each piece's log-sum-exp beside its d outputs; 8 (whole 32-byte rows) keep the rows of a
+  # piece a multiple of 8, so that blocks share a piece's staged scores (d + 1 = 65 left 3 rows a block)
+  extra = 8
+  pieces = scores.reshape(*lead, m, chunks, length)
+  rows = pieces.unsqueeze(-2).expand(*lead, m, chunks, d + extra, length)            # (..., m, chunks, d + 8, length)
+  # the values widened to d + 8 columns by a view (the extra columns repeat the first ones; their sums are not read):
+  # a pad would make the scheduler store the values (a masked read of the cache-write's `where`)
+  wide = values.unsqueeze(-2).expand(*values.shape[:-1], 2, d).reshape(*values.shape[:-1], 2 * d)[..., :d + extra]
+  wide = wide.reshape(*lead, 1, chunks, length, d + extra)
+  # the shift is the max, but finite where a piece is all -inf: exp(-inf - shift) = 0 there, never NaN
+  shift = rows.max(-1, keepdim=True).maximum(-3.0e38)
+  exps = (rows - shift).exp()
+  weighted = (exps * wide.transpose(-1, -2)).sum(-1)
+  shift = shift.squeeze(-1)
+  lse = shift + exps.sum(-1).log()
+  # weighted / sum as weighted * exp(shift - lse): the sum read once (the scheduler keeps each reduce to one reader);
+  # lse.maximum(shift): a sum of 0 (an all -inf piece, weighted 0) divides by 1
+  last = Tensor.arange(d + extra, device=scores.device) == d
+  parts = last.where(lse, weighted * (shift - lse.maximum(shift)).exp()).contiguous()  # (..., m, chunks, d + 8)
+  return softmax_weighted_sum(parts[..., d].unsqueeze(-2), parts[..., :d]).reshape(*lead, m, d)
 
 
 def row_layout(weight: Tensor | PackedTensor) -> tuple[int, ...] | None:
@@ -408,7 +446,10 @@ class LlamaBlock:
     if mask is not None: scores = scores + mask.reshape(sequences, 1, 1, -1)
     # (S, kv, group, hd); a symbolic row length is no row kernel's: there (and on a CPU) the plain softmax, two kernels
     fused = isinstance(visible, int) and self.recompute_rows
-    attended = softmax_weighted_sum(scores, values) if fused else scores.softmax(-1) @ values
+    chunks = int(ATTENTION_CHUNKS.value)
+    if fused and ELEMENT_REDUCES.value and chunks > 1 and visible % chunks == 0:
+      attended = split_softmax_weighted_sum(scores, values, chunks)
+    else: attended = softmax_weighted_sum(scores, values) if fused else scores.softmax(-1) @ values
     return self._feed_forward(x, attended.reshape(sequences, 1, config.dim))
 
 

@@ -131,6 +131,12 @@ class BlockRowLinearizer(RowLinearizer):
     if interleave > 1:   # a block of `interleave` rows, at least a warp of threads, at most the device's block
       threads = max(min(threads, kernel.renderer.max_threads // interleave), kernel.renderer.warp_size // interleave)
       per_block = interleave
+    if kernel.element_reduces and interleave == 1 and per_block > 1:
+      # rows sharing a block share its staged element reduces (a piece of decode attention's scores, a dot product
+      # each): as many neighbouring rows as a block holds, so that fewer blocks compute the same scores again
+      across, limit = shape[row_dims[-1]], kernel.renderer.max_threads // threads
+      per_block = max(count for count in range(per_block, min(across, limit) + 1)
+                      if across % count == 0 and rows % count == 0) if per_block <= min(across, limit) else per_block
     if kernel.element_reduces and not shared_across_rows(self, row_dims, per_block):
       interleave, per_block = 1, 1   # a block a row: its own staged row
       threads = row_block_threads(register_units(units, width), kernel.renderer.max_threads, kernel.renderer.warp_size)
@@ -568,6 +574,9 @@ class BlockRowLinearizer(RowLinearizer):
     (codegen/row_interleave.py)."""
     build, warp_size = self.builder, self.kernel.renderer.warp_size
     dtype = partial.dtype
+    # a row one thread holds whole: its partial is the row's (the tree below would have the block's rows, one thread
+    # each, store to one local element: a split decode attention's short pieces of 4 slots, 2 rows a block)
+    if threads == 1: return partial
     if lanes is not None: return interleaved_combine(self, partial, op, thread, threads, number, *lanes)
     if 2 <= threads < warp_size and threads & (threads - 1) == 0:   # a row of a block's rows: part of a warp
       return build.add(UOps.WARP_REDUCE, dtype, (partial,), (op, threads, 1))

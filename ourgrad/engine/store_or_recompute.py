@@ -31,10 +31,16 @@ def _store_or_recompute(bases: list[LazyBuffer], realizes: Realizations, users: 
 
   def reading_kernel(user: int) -> int:
     """The kernel a reader fuses into; a reduce not realized with one user joins that user's kernel (a row kernel:
-    softmax's sum of exp(x - max) is in the kernel that reads the sum, beside the max)."""
+    softmax's sum of exp(x - max) is in the kernel that reads the sum, beside the max), and so does an unrealized
+    value (a reduce or elementwise) whose users all end in one kernel (`_converged`: a split softmax's max, read
+    inside its exp and by the log-sum-exp it stores)."""
     kernel = kernel_of(user)
-    while kernel in by_id and kernel not in realizes and by_id[kernel].op in REDUCE_OPS and len(users[kernel]) == 1:
-      kernel = kernel_of(next(iter(users[kernel])))
+    while kernel in by_id and kernel not in realizes and by_id[kernel].op in REDUCE_OPS | ELEMENTWISE_OPS:
+      if by_id[kernel].op in REDUCE_OPS and len(users[kernel]) == 1: kernel = kernel_of(next(iter(users[kernel])))
+      else:
+        end = _converged(kernel, users, realizes, kernel_of, by_id)
+        if end is None or end == kernel: break
+        kernel = end
     return kernel
 
   for base in bases:
@@ -51,6 +57,23 @@ def _store_or_recompute(bases: list[LazyBuffer], realizes: Realizations, users: 
       launch_bytes[base.device] = getattr(Device[base.device].renderer, "launch_bytes", 0)
     reason = _storing_saves_bytes(base, len(readers), realizes, launch_bytes[base.device])
     if reason is not None: realizes[id(base)] = reason
+
+
+def _converged(start: int, users: dict[int, set[int]], realizes: Realizations, kernel_of: Callable[[int], int],
+               by_id: dict[int, LazyBuffer]) -> int | None:
+  """The one kernel that every use of the unrealized value `start` ends in, following its users' kernels through
+  unrealized reduces and elementwise values read by several; None where they end in more than one (or none)."""
+  ends: set[int] = set()
+  stack, seen = [kernel_of(user) for user in users[start]], {start}
+  while stack and len(ends) < 2:
+    kernel = stack.pop()
+    if kernel in seen: continue
+    seen.add(kernel)
+    if kernel in realizes or kernel not in by_id or not users[kernel] or \
+        by_id[kernel].op not in REDUCE_OPS | ELEMENTWISE_OPS:
+      ends.add(kernel)
+    else: stack.extend(kernel_of(user) for user in users[kernel])
+  return next(iter(ends)) if len(ends) == 1 else None
 
 
 RECOMPUTES_A_REDUCE = "each would compute the reduce (a matmul's product) inside it again"
