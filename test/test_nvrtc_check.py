@@ -85,7 +85,7 @@ class BrokenCUDARenderer(CUDARenderer):
 def test_a_broken_cuda_rendering_fails_naming_the_kernel(compiler, monkeypatch):
   """The conftest hook with a renderer that emits bad CUDA: the test's own result is right (CLANG computes it), and
   the check's flush at teardown names the kernel, with the bad line and NVRTC's complaint."""
-  from conftest import cuda_checking_compile
+  from cuda_render_check import cuda_checking_compile
 
   from ourgrad.engine import realize
   check = NvrtcCheck(compiler)

@@ -58,6 +58,9 @@ class VectorPlan:
     self.updates: dict[int, tuple[str, list[UOp]]] = {}     # id(lane 0's ACCUMULATE) -> (vector, lane values)
     self.skipped: set[int] = set()                          # ids of the other lanes' ACCUMULATEs
     if width < 2: return
+    # where each UOp is rendered: a vector update is written at lane 0's ACCUMULATE, so the lane-by-lane masks it
+    # reads must come before that (another lane's mask may be computed after it)
+    self.position = {id(uop): index for index, uop in enumerate(uops)}
     accumulators = [uop for uop in uops if uop.op is UOps.DEFINE_ACC]
     updates, scopes = _updates_and_scopes(uops)
     for start in range(0, len(accumulators) - width + 1, width):
@@ -82,16 +85,22 @@ class VectorPlan:
       group = [updates[position] for updates in lanes]
       if any(update.arg is not combine or update.arg not in (Ops.ADD, Ops.MAX) or
              scopes[id(update)] != scopes[id(group[0])] for update in group): return False
-      if not self._vectorizable([update.srcs[1] for update in group]): return False
+      if not self._vectorizable([update.srcs[1] for update in group], self.position[id(group[0])]): return False
     return True
 
-  def _vectorizable(self, values: list[UOp]) -> bool:
+  def _vectorizable(self, values: list[UOp], written_at: int) -> bool:
+    """Whether a lane group has one vector expression that can be written at position `written_at` (lane 0's
+    ACCUMULATE): every lane's mask of a masked load already computed there."""
     stack = [values]
     while stack:
       lanes = stack.pop()
       first = lanes[0]
       if _uniform(lanes): continue
-      if _lane_load(lanes) is not None: continue
+      if _lane_load(lanes) is not None:
+        valids = _lane_valids(lanes)
+        if valids is None or _uniform(valids) or \
+           all(self.position.get(id(valid), written_at) < written_at for valid in valids): continue
+        return False
       if not _lane_op(first): return False
       if any(uop.op is not first.op or uop.arg is not first.arg or len(uop.srcs) != len(first.srcs) for uop in lanes):
         return False
