@@ -116,8 +116,8 @@ def count_calls(step: PhasedStep) -> dict[str, int]:
   return result
 
 
-def count_bytecodes(step: PhasedStep) -> dict[str, int]:
-  """Bytecode instructions executed by Python frames in each phase of one step (C code counts nothing)."""
+def bytecodes(call: Callable[[], Any]) -> int:
+  """Bytecode instructions Python frames execute in `call()` (C code counts nothing)."""
   count = [0]
 
   def local(frame: Any, event: str, arg: Any) -> Any:
@@ -127,16 +127,17 @@ def count_bytecodes(step: PhasedStep) -> dict[str, int]:
   def start(frame: Any, event: str, arg: Any) -> Any:
     frame.f_trace_opcodes = True
     return local
-  result = {}
-  for phase in PHASES:
-    count[0] = 0
-    sys.settrace(start)
-    try:
-      step.run(phase)
-    finally:
-      sys.settrace(None)
-    result[phase] = count[0]
-  return result
+  sys.settrace(start)
+  try:
+    call()
+  finally:
+    sys.settrace(None)
+  return count[0]
+
+
+def count_bytecodes(step: PhasedStep) -> dict[str, int]:
+  """Bytecode instructions executed by Python frames in each phase of one step (C code counts nothing)."""
+  return {phase: bytecodes(lambda phase=phase: step.run(phase)) for phase in PHASES}
 
 
 def phase_times(step: PhasedStep, calls: int, sync: Callable[[], None]) -> dict[str, float]:

@@ -16,37 +16,18 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any, Callable
 
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's ourgrad
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_autograd import bytecodes  # noqa: E402
 from bench_eager import host_kernels_disabled  # noqa: E402
 from bench_jit import load_mnist_example  # noqa: E402
 
 from ourgrad import Device, Tensor  # noqa: E402
 from ourgrad.nn.optim import Adam  # noqa: E402
 from ourgrad.nn.state import get_parameters  # noqa: E402
-
-
-def bytecodes(call: Callable[[], Any]) -> int:
-  """Bytecode instructions Python frames execute in `call()` (C code counts nothing)."""
-  count = [0]
-
-  def local(frame: Any, event: str, arg: Any) -> Any:
-    if event == "opcode": count[0] += 1
-    return local
-
-  def start(frame: Any, event: str, arg: Any) -> Any:
-    frame.f_trace_opcodes = True
-    return local
-  sys.settrace(start)
-  try:
-    call()
-  finally:
-    sys.settrace(None)
-  return count[0]
 
 
 def main() -> None:
