@@ -5,6 +5,7 @@ threads gives the bytes it gives on one thread (each output is computed by one t
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -138,6 +139,29 @@ def test_integer_product_kernel_sums_blocks_as_integers(ggml_type: int) -> None:
   assert "og_lanes_total(lanes0)" in body and "#pragma omp simd" not in body
   if ggml_type == GGML_Q8_0: assert body.count("og_dot_add_s8(") == 1 and "og_dot_add(" not in body
   else: assert body.count("og_dot_add2(") == 1 and "og_dot_add(" not in body   # both nibbles' pairs in one call
+
+
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_1, GGML_Q8_0], ids=["Q4_1", "Q8_0"])
+def test_byte_dot_helpers_prefetch_the_packed_weights(ggml_type: int) -> None:
+  """Every byte dot helper, in every -march branch of renderer/cbytedot.py, prefetches its first operand ahead
+  (og_prefetch), and the product's kernel passes the packed weight's bytes there (the stream a matrix-vector product
+  reads once from memory), the int8 activation (cached: every row reads it) second."""
+  rows, columns = 64, 576
+  rng = np.random.default_rng(5)
+  packed = PackedTensor.from_blocks(ggml_type, Tensor(random_blocks(ggml_type, rows * columns // 32, rng)),
+                                    (rows, columns))
+  x = Tensor(rng.standard_normal((1, columns)).astype(np.float32)).realize()
+  source = _sources(packed.integer_linear(x))[-1]
+  helpers = re.findall(r"og_dot_sums (og_dot_add\w*)\(og_dot_sums sums, const (?:un)?signed char\* (\w+),[^{]*\{\n"
+                       r"(.*)\n", source)
+  assert sorted({name for name, _, _ in helpers}) == ["og_dot_add", "og_dot_add2", "og_dot_add_s8"]
+  assert len(helpers) == 8   # og_dot_add and og_dot_add_s8 in the AVX2, SSSE3 and plain branches, og_dot_add2 in AVX2
+  assert all(line.strip() == f"og_prefetch({first});" for _, first, line in helpers)
+  body = _kernel_body(source)
+  weights = re.search(r"const unsigned char\* restrict (data\d+)", body).group(1)
+  activation = re.search(r"const signed char\* restrict (data\d+)", body).group(1)
+  call = re.search(r"og_dot_add(?:2|_s8)\(og_dot_start\(\), (?:\(const signed char\*\)\()?(data\d+)[^,]*, (.*)", body)
+  assert call.group(1) == weights and activation in call.group(2)
 
 
 def _kernel_body(source: str) -> str:
