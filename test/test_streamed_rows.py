@@ -167,6 +167,44 @@ def test_byte_dot_helpers_prefetch_the_packed_weights(ggml_type: int) -> None:
   assert call.group(1) == weights and activation in call.group(2)
 
 
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_1, GGML_Q4_0, GGML_Q8_0], ids=["Q4_1", "Q4_0", "Q8_0"])
+def test_integer_product_reads_scales_from_its_blocks(ggml_type: int, monkeypatch: pytest.MonkeyPatch) -> None:
+  """On a CPU the integer product's kernel reads each block's f16 scales from the stored block (one 2-byte load
+  each, og_load_u16, widened in the kernel) instead of the decoded float32 scales: it takes no float buffer but the
+  activation's scales, and its outputs are the bits of the product computed from the decoded scales."""
+  rows, columns = 64, 576
+  rng = np.random.default_rng(9)
+  raw = random_blocks(ggml_type, rows * columns // 32, rng)
+  x_np = rng.standard_normal((1, columns)).astype(np.float32)
+  packed = PackedTensor.from_blocks(ggml_type, Tensor(raw), (rows, columns))
+  body = _kernel_body(_sources(packed.integer_linear(Tensor(x_np).realize()))[-1])
+  assert body.count("og_load_u16(") == (2 if ggml_type == GGML_Q4_1 else 1) and "<<" not in body
+  parameters = body[:body.index(")")]
+  assert parameters.count("const float* restrict") == (1 if ggml_type == GGML_Q8_0 else 2)   # d_x (Q4: its sums)
+  from_blocks = packed.integer_linear(Tensor(x_np)).numpy()
+  outputs, blocks = rows, columns // 32
+  monkeypatch.setattr(PackedTensor, "_product_scales", lambda self, lanes: [
+    self.scales.cast(dtypes.float32).reshape(1, outputs, blocks, -1)[..., index:index + 1]
+    for index in range(self.scales.shape[1])])
+  np.testing.assert_array_equal(from_blocks, packed.integer_linear(Tensor(x_np)).numpy())
+
+
+def test_little_endian_byte_pairs_load_as_one() -> None:
+  """A uint16 assembled from two neighbouring bytes of a buffer, low | (high << 8), renders as one 2-byte load
+  (og_load_u16) and gives numpy's little-endian values; other byte pairs (not neighbours, or big-endian) stay
+  assembled and right too."""
+  raw = np.random.default_rng(4).integers(0, 256, (64, 4)).astype(np.uint8)
+  blocks = Tensor(raw).realize()
+
+  def assembled(low: int, high: int) -> Tensor:
+    return blocks[:, low].cast(dtypes.uint16) | (blocks[:, high].cast(dtypes.uint16) << 8)
+  for low, high, merged in ((0, 1, True), (2, 3, True), (1, 0, False), (0, 2, False)):
+    value = assembled(low, high)
+    assert ("og_load_u16(" in _kernel_body(_sources(assembled(low, high))[-1])) == merged
+    expected = raw[:, low].astype(np.uint16) | (raw[:, high].astype(np.uint16) << 8)
+    np.testing.assert_array_equal(value.numpy(), expected)
+
+
 def _kernel_body(source: str) -> str:
   """The kernel function of a rendered source (after its helpers)."""
   return source[source.index("void k("):]

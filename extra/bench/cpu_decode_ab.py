@@ -3,10 +3,11 @@
 On a CPU that other jobs share, two runs of a decode step minutes apart differ by more than most kernel changes
 (other processes' memory traffic changes how long the weights take to stream in). This script captures the jitted
 decode step of the installed SmolLM2 GGUF (stored Q4_1/Q8_0 weights, 520 cache slots) once, makes variant B of every
-captured kernel by regex replacements on its C source (`--replace PATTERN REPLACEMENT`, Python `re.sub`, repeatable),
-compiles B, and replays the whole step alternately with A's and B's functions (A B, B A, ...), so both see the same
-machine. It prints the median thread CPU time of each (or wall time with `--wall`, for OMP_NUM_THREADS > 1) and the
-median of the per-round ratios B / A, and whether B's logits equal A's bit for bit.
+captured kernel by regex replacements on its C source (`--replace PATTERN REPLACEMENT`, Python `re.sub`,
+repeatable) or a Python file's `edit(source) -> source` (`--edit-module`), compiles B, and replays the whole step
+alternately with A's and B's functions (A B, B A, ...), so both see the same machine. It prints the median thread CPU
+time of each (or wall time with `--wall`, for OMP_NUM_THREADS > 1) and the median of the per-round ratios B / A,
+and whether B's logits equal A's bit for bit.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python extra/bench/cpu_decode_ab.py \\
         --replace '__builtin_prefetch\\([^;]*\\);' '' --rounds 40
@@ -14,6 +15,7 @@ median of the per-round ratios B / A, and whether B's logits equal A's bit for b
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pathlib
 import re
 import statistics
@@ -48,18 +50,30 @@ def variant_functions(replay: Any, edit: Callable[[str], str]) -> tuple[list[Any
   return functions, changed
 
 
+def load_edit(path: str) -> Callable[[str], str]:
+  """The `edit(source) -> source` function of the Python file at `path`."""
+  spec = importlib.util.spec_from_file_location("cpu_decode_edit", path)
+  assert spec is not None and spec.loader is not None, f"cannot load {path}"
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.edit
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--replace", nargs=2, action="append", default=[], metavar=("PATTERN", "REPLACEMENT"),
                       help="a regex replacement applied to every kernel's C source for variant B")
+  parser.add_argument("--edit-module", help="a Python file defining edit(source) -> source, applied after --replace")
   parser.add_argument("--rounds", type=int, default=30, help="A/B pairs of whole-step replays")
   parser.add_argument("--wall", action="store_true", help="wall time (perf_counter) instead of this thread's CPU time")
   parser.add_argument("--position", type=int, default=12, help="the decode position the step is captured at")
   args = parser.parse_args()
 
+  module_edit = load_edit(args.edit_module) if args.edit_module else None
+
   def edit(source: str) -> str:
     for pattern, replacement in args.replace: source = re.sub(pattern, replacement, source)
-    return source
+    return module_edit(source) if module_edit is not None else source
   model, _ = Llama.from_gguf(smollm2_path(), 520, "CLANG", symbolic=False, dtype="stored")
   for position in range(args.position - 3, args.position + 1): model.decode([5], [position]).numpy()
   replay = model._decode_jit.captured.replay_runner

@@ -646,8 +646,8 @@ class PackedTensor:
     quants, scale, offset = quantize_activation(x.reshape(-1, self.shape[1]))
     rows = quants.shape[0]
     quants = quants.reshape(rows, 1, blocks, ACTIVATION_BLOCK).cast(dtypes.int32)
-    scales = self.scales.cast(dtypes.float32).reshape(1, outputs, blocks, -1)
-    factor = scales[..., 0:1] * scale.reshape(rows, 1, blocks, 1)
+    scales = self._product_scales(32 if self.ggml_type == GGML_Q8_0 else 16)
+    factor = scales[0] * scale.reshape(rows, 1, blocks, 1)
     shift = _quant_shift(self.ggml_type, self.blocks)
     if self.ggml_type == GGML_Q8_0:
       weights = self.blocks[:, 2 - shift:34 - shift].bitcast(dtypes.int8).reshape(1, outputs, blocks, 32)
@@ -658,9 +658,32 @@ class PackedTensor:
     low, high = (packed & 0xF).cast(dtypes.int32), (packed >> 4).cast(dtypes.int32)
     products = low * quants[..., :16] + high * quants[..., 16:]
     offset = offset.reshape(rows, 1, blocks, 1)
-    offset = offset * (scales[..., 1:2] if self.ggml_type == GGML_Q4_1 else scales[..., 0:1] * -8.0)
+    offset = offset * (scales[1] if self.ggml_type == GGML_Q4_1 else scales[0] * -8.0)
     terms = products.cast(dtypes.float32) * factor + offset * (1 / 16)
     return terms.sum((2, 3)).reshape(*x.shape[:-1], outputs)
+
+  def _product_scales(self, lanes: int) -> list[Tensor]:
+    """Each f16 scale of the blocks (d; Q4_1: d, then m) as float32 for integer_linear: (1, n, blocks per row, 1)
+    from the decoded `scales`, or on a CPU with byte dot products (the C renderer's) (1, n, blocks, `lanes`) decoded
+    in the product's kernel from the f16 bits inside the stored blocks (two byte loads the C compiler merges, a half
+    conversion), so that the product streams the blocks alone: the float32 `scales` are a second stream of 8 bytes
+    to each 20-byte Q4_1 block (4 to Q8_0's 34). SmolLM2's CPU decode step, A/B in one process (extra/bench/
+    cpu_decode_ab.py, the Q4_1 products' C edited so): 0.913x the time on one thread, 0.884x on two. Decoded at each
+    lane (views of the same two bytes), not broadcast to the lanes: the scheduler stores a graph of several ops read
+    many times per element (its recompute rule: here a pass over every block's bytes of its own), where the CPU's
+    integer row kernel computes factors that do not vary along the lanes once per block anyway. A half widens
+    exactly: the values, and the logits' bits, are those of `scales`."""
+    outputs, blocks = self.shape[0], self.shape[1] // ACTIVATION_BLOCK
+    start, count = _SCALE_BYTES[self.ggml_type]
+    if _quant_shift(self.ggml_type, self.blocks) or \
+        not getattr(Device[self.device].renderer, "byte_dot_products", False):
+      scales = self.scales.cast(dtypes.float32).reshape(1, outputs, blocks, count)
+      return [scales[..., index:index + 1] for index in range(count)]
+
+    def byte(at: int) -> Tensor:   # byte `at` of every block, at each lane of its product
+      return self.blocks[:, at].reshape(1, outputs, blocks, 1).expand(1, outputs, blocks, lanes).cast(dtypes.uint16)
+    return [(byte(start + 2 * index) | (byte(start + 2 * index + 1) << 8)).bitcast(dtypes.float16).cast(dtypes.float32)
+            for index in range(count)]
 
   def take_rows(self, index: Tensor) -> Tensor:
     """`self.dequantize()[index]` for an integer tensor `index` (an embedding lookup), reading and dequantizing only

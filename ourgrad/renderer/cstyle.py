@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ourgrad.codegen.uops import SIGNED_BYTES, AxisType, UOp, UOps
-from ourgrad.renderer.cbytedot import CLANG_BYTE_DOT
+from ourgrad.renderer.cbytedot import CLANG_BYTE_DOT, CLANG_LOAD_U16, little_endian_pair
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import CPU_VECTORS
 from ourgrad.ops import Ops
@@ -660,6 +660,7 @@ class ClangRenderer(CStyleLanguage):
     source = super().render_kernel(name, params, body, uops)
     if any(uop.op is UOps.DOT_LANES for uop in uops):
       source = source.replace(self.preamble, self.preamble + CLANG_BYTE_DOT, 1)
+    if "og_load_u16(" in source: source = source.replace(self.preamble, self.preamble + CLANG_LOAD_U16, 1)
     if index_math_only(uops): source = INDEX_MATH_ONLY + source
     if any(helper in source for helper in CLANG_SELECT_HELPERS):
       source = source.replace(self.preamble, self.preamble + CLANG_SCALAR_SELECTS, 1)
@@ -670,6 +671,12 @@ class ClangRenderer(CStyleLanguage):
 
   def memory_type(self, dtype: DType) -> str:
     return "unsigned short" if dtype == dtypes.bfloat16 else super().memory_type(dtype)
+
+  def _expression(self, uop: UOp, ref: Callable[[UOp], str]) -> str:
+    # two neighbouring bytes assembled little-endian: one 2-byte load (renderer/cbytedot.py CLANG_LOAD_U16)
+    pair = little_endian_pair(uop)
+    if pair is not None: return f"og_load_u16({ref(pair[0])} + {ref(pair[1])})"
+    return super()._expression(uop, ref)
 
 
 class OpenCLRenderer(CStyleLanguage):
