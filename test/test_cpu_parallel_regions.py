@@ -5,6 +5,7 @@ CLANG and LLVM."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.ops import Ops
 from ourgrad.renderer.cpu_loops import executed_uops, leading_global_loops
-from ourgrad.runtime.openmp import SPIN_COUNT, configure_wait_policy, wait_policy
+from ourgrad.runtime.openmp import SPIN_COUNT, configure_wait_policy, openmp_runtime_loaded, wait_policy
 
 
 def _source(tensor: Tensor, device: str = "CLANG") -> str:
@@ -114,3 +115,20 @@ def test_wait_policy_spins_only_with_an_idle_core(monkeypatch):
   monkeypatch.setenv("GOMP_SPINCOUNT", "7")
   configure_wait_policy()
   assert os.environ["GOMP_SPINCOUNT"] == "7" and "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_wait_policy_warns_where_libgomp_is_loaded_already(monkeypatch, tmp_path):
+  """libgomp reads its environment once, when it loads: a policy set after another library loaded it (PyTorch's
+  bundled libgomp) does not apply, and configure_wait_policy says so; with no libgomp mapped it sets it silently."""
+  for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"): monkeypatch.delenv(name, raising=False)
+  loaded, absent = tmp_path / "loaded", tmp_path / "absent"
+  loaded.write_text("7f00-7f01 r-xp 0 08:01 1 /opt/torch/lib/libgomp-a34b3233.so.1\n")
+  absent.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/libc.so.6\n")
+  assert openmp_runtime_loaded(str(loaded)) and not openmp_runtime_loaded(str(absent))
+  assert not openmp_runtime_loaded(str(tmp_path / "missing"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    configure_wait_policy(str(absent))
+  assert "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+  for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"): monkeypatch.delenv(name, raising=False)
+  with pytest.warns(RuntimeWarning, match="libgomp"): configure_wait_policy(str(loaded))

@@ -1,6 +1,10 @@
 """How the host devices' OpenMP threads (libgomp: CLANG's kernels and LLVM's) wait between parallel regions.
 
-Set before libgomp loads (it reads its environment once); a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+Set before libgomp loads (it reads its environment once); a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins. A
+libgomp some other library loaded first (PyTorch's bundled one, of the same soname: ourgrad's kernels then share it)
+kept the environment it started with (libgomp's default: ~300k spins, which on a busy machine made SmolLM2's CPU
+decode ~0.7 tok/s against ~10): configure_wait_policy warns then (import ourgrad's CLANG device first, or set
+OMP_WAIT_POLICY yourself).
 
 A thread that finished its share of one kernel either spins, waiting for the next parallel region, or sleeps on a
 futex that the next region's start must wake. A decode step launches ~330 parallel kernels a token back to back
@@ -16,6 +20,7 @@ machine has an idle core when the process starts (its 1-minute load average unde
 from __future__ import annotations
 
 import os
+import warnings
 
 # libgomp's spin-wait iterations before a thread sleeps: one relaxed load and one `pause` each (~25 ns on AMD Zen
 # at ~65 cycles, ~45 ns on Intel's 140-cycle pause)
@@ -39,7 +44,23 @@ def wait_policy(load_average: float | None = None, cores: int | None = None) -> 
   return {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
 
 
-def configure_wait_policy() -> None:
-  """Put wait_policy() in os.environ unless the user chose one (OMP_WAIT_POLICY or GOMP_SPINCOUNT set)."""
+def openmp_runtime_loaded(maps: str = "/proc/self/maps") -> bool:
+  """Whether an OpenMP runtime (libgomp) is mapped in this process already (Linux's `maps`; False where unreadable)."""
+  try:
+    with open(maps) as lines: return any("libgomp" in line for line in lines)
+  except OSError:
+    return False
+
+
+def configure_wait_policy(maps: str = "/proc/self/maps") -> None:
+  """Put wait_policy() in os.environ unless the user chose one (OMP_WAIT_POLICY or GOMP_SPINCOUNT set); warn where
+  libgomp is loaded already (it will not read it: see the module's docstring)."""
   if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ: return
-  os.environ.update(wait_policy())
+  policy = wait_policy()
+  os.environ.update(policy)
+  if openmp_runtime_loaded(maps):
+    setting = " ".join(f"{name}={value}" for name, value in policy.items())
+    warnings.warn(f"an OpenMP runtime (libgomp) was loaded before ourgrad's CLANG device (PyTorch imported first?): "
+                  f"it keeps its own wait policy, not ourgrad's {setting}; on a busy machine its long spins can make "
+                  f"CPU kernels many times slower. Open the CLANG device before importing it, or set OMP_WAIT_POLICY "
+                  f"or GOMP_SPINCOUNT in the environment before the process starts.", RuntimeWarning, stacklevel=2)
