@@ -131,4 +131,10 @@ def test_wait_policy_warns_where_libgomp_is_loaded_already(monkeypatch, tmp_path
     configure_wait_policy(str(absent))
   assert "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
   for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"): monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("OMP_NUM_THREADS", "2")
   with pytest.warns(RuntimeWarning, match="libgomp"): configure_wait_policy(str(loaded))
+  for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"): monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("OMP_NUM_THREADS", "1")   # one thread a team: nothing waits, no warning
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    configure_wait_policy(str(loaded))

@@ -58,7 +58,8 @@ def configure_wait_policy(maps: str = "/proc/self/maps") -> None:
   if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ: return
   policy = wait_policy()
   os.environ.update(policy)
-  if openmp_runtime_loaded(maps):
+  # (one thread a team, OMP_NUM_THREADS=1 as in CI: no thread ever waits, whatever the policy)
+  if os.environ.get("OMP_NUM_THREADS", "").strip() != "1" and openmp_runtime_loaded(maps):
     setting = " ".join(f"{name}={value}" for name, value in policy.items())
     warnings.warn(f"an OpenMP runtime (libgomp) was loaded before ourgrad's CLANG device (PyTorch imported first?): "
                   f"it keeps its own wait policy, not ourgrad's {setting}; on a busy machine its long spins can make "
