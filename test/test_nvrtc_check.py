@@ -9,8 +9,8 @@ from helpers import nvrtc_compiler
 from ourgrad import Tensor
 from ourgrad.errors import CompileError
 from ourgrad.renderer.cuda import DYNAMIC_SHARED_SYMBOL, CUDARenderer
-from ourgrad.runtime.nvrtc_check import NvrtcCheck
-from ourgrad.runtime.ops_cuda import SM_90A_ONLY
+from ourgrad.runtime.nvrtc_check import FAST_COMPILE, FAST_COMPILE_SINCE, NvrtcCheck
+from ourgrad.runtime.ops_cuda import SM_90A_ONLY, CUDACompiler
 
 # two kernels of one name, each defining the dynamic shared memory symbol (C linkage: one program cannot hold both
 # unless the check drops it), a macro, then a kernel whose local variable has that macro's name
@@ -23,6 +23,11 @@ MACRO_NAME_AS_VARIABLE = 'extern "C" __global__ void r_5(float* data0) { float S
 GOOD = [SAME_NAME_1, SAME_NAME_2, WITH_MACRO, MACRO_NAME_AS_VARIABLE]
 # C++ that parses: only ptxas, which a PTX-only compile never runs, rejects its inline PTX
 BAD_PTX = 'extern "C" __global__ void E_bad(float* data0) { asm volatile("not.an.instruction;"); data0[0] = 0.0f; }\n'
+
+# C++ that compiles to PTX: only ptxas's layout of the kernel finds its 80 KB of static shared memory (48 KB at most)
+TOO_MUCH_SHARED = ('extern "C" __global__ void r_big(float* data0) { __shared__ float tile[20480]; '
+                   'tile[threadIdx.x] = data0[threadIdx.x]; __syncthreads(); '
+                   'data0[threadIdx.x] = tile[20479 - threadIdx.x]; }\n')
 
 
 @pytest.fixture
@@ -102,3 +107,27 @@ def test_a_broken_cuda_rendering_fails_naming_the_kernel(compiler, monkeypatch):
   message = str(failure.value)
   assert f"CUDA kernel(s): {names[0]}" in message
   assert "not_declared_anywhere = 1;" in message and "is undefined" in message
+
+
+def test_fast_compile_programs_still_run_ptxas(compiler, monkeypatch):
+  """The combined program is compiled with FAST_COMPILE (little optimization: the check keeps only the verdict), and
+  ptxas's checks still reject: inline PTX it cannot assemble, static shared memory over the limit. The culprits are
+  then compiled alone with the device's own options."""
+  options_used: list[list[bytes]] = []
+  check_compiles = CUDACompiler.check_compiles
+  def recording(self, source, arch):
+    options_used.append(list(self.options))
+    return check_compiles(self, source, arch)
+  monkeypatch.setattr(CUDACompiler, "check_compiles", recording)
+  check = NvrtcCheck(compiler)
+  check.add("good", MACRO_NAME_AS_VARIABLE)
+  check.add("E_bad", BAD_PTX)
+  check.add("r_big", TOO_MUCH_SHARED)
+  with pytest.raises(CompileError) as failure:
+    check.flush()
+  message = str(failure.value)
+  assert "rejects 2 CUDA kernel(s): E_bad, r_big" in message and "too much shared data" in message
+  from ourgrad.runtime.ops_cuda import check as checked, nvrtc
+  has_fast_compile = checked(nvrtc.nvrtcVersion(), "nvrtcVersion") >= FAST_COMPILE_SINCE
+  assert options_used[0] == compiler.options + (FAST_COMPILE if has_fast_compile else [])
+  assert options_used[1:] == [compiler.options] * 3   # each alone as the device compiles it
