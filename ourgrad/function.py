@@ -69,9 +69,9 @@ class Function:
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
     ctx = _new_function(cls)
-    # _record_inputs written out (one frame less for every op built); the flags kept in locals too (each read of
-    # ctx's attributes below would be two more steps, on every op built)
-    ctx.device = device = tensors[0]._lazydata.device   # (Tensor.device without the property call)
+    # _record_inputs written out (one frame less for every op built); the flags kept in a local too (each read of
+    # ctx's attribute below would be two more steps, on every op built). Not the device: a forward may set it (Shard)
+    ctx.device = tensors[0]._lazydata.device   # (Tensor.device without the property call)
     ctx.needs_input_grad = needs = list(map(_requires_grad_of, tensors))
     ctx.requires_grad = requires = True if True in needs else None if None in needs else False
     if requires:
@@ -81,14 +81,14 @@ class Function:
     # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
     # of silently doing nothing)
     if requires is not False and (Tensor.no_grad or not output.dtype.is_float): ctx.requires_grad = requires = False
-    if type(output) is LazyBuffer and output.device == device:
+    if type(output) is LazyBuffer and output.device == ctx.device:
       # the result of nearly every op: a tensor around `output` as it is. Its four slots set here cost a fraction of
       # Tensor.__init__'s checks (none applies: one device, no dtype change, a gradient only for floats)
       result = _new_tensor(Tensor)
       result._lazydata, result.requires_grad, result.grad = output, requires, None
       result._ctx = ctx if requires else None
       return result
-    result = Tensor(output, device=device, requires_grad=requires)
+    result = Tensor(output, device=ctx.device, requires_grad=requires)
     if requires: result._ctx = ctx
     return result
 

@@ -73,8 +73,9 @@ _HOST_CONSTANTS_MAX = 64
 _HOST_CONSTANT_MAX_ELEMENTS = 1 << 16
 
 
-# LazyBuffer.operand_constant's shared constants: (value, sign, value's type, dtype, device, shape) -> a view of a CONST
-# base. Bounded: cleared when full (a long run with ever new shapes starts over rather than keeping them all)
+# LazyBuffer.operand_constant's shared constants: (value, value's type, dtype, device, shape), for a zero (value, sign,
+# value's type, dtype, device, shape) -> a view of a CONST base. Bounded: cleared when full (a long run with ever new
+# shapes starts over rather than keeping them all)
 _OPERAND_CONSTANTS: dict[tuple, LazyBuffer] = {}
 _OPERAND_CONSTANTS_MAX = 4096
 register_cache_clearer(_OPERAND_CONSTANTS.clear)
@@ -201,10 +202,13 @@ class LazyBuffer:
     storage of its own (`full` tags one per call), and a constant is never written in place."""
     kind = type(value)
     try:
-      sign = math.copysign(1.0, value) if kind is float or isinstance(value, np.floating) else 0
-      key = (value, sign, kind, dtype, device, shape)
+      if value:   # (most operands: a non-zero value, whose sign its value tells)
+        key: tuple = (value, kind, dtype, device, shape)
+      else:   # 0.0 and -0.0 are equal but different constants (the key one longer: never equal to the one above)
+        sign = math.copysign(1.0, value) if kind is float or isinstance(value, np.floating) else 0
+        key = (value, sign, kind, dtype, device, shape)
       shared = _OPERAND_CONSTANTS.get(key)
-    except TypeError:   # a symbolic value or size: not shared
+    except (TypeError, ValueError):   # a value or size that does not hash (or an array's truth value): not shared
       return _constant(value, shape, dtype, device)
     if shared is not None: return shared
     shared = _constant(value, shape, dtype, device)
