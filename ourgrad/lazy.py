@@ -350,6 +350,11 @@ class LazyBuffer:
           folded = self._fold_constants(op, (self, other), out_dtype)
           if folded is not None: return folded
       return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, None, (self, other))
+    elif op is WHERE and third is not None and arg is None and other.shape == self.shape == third.shape and \
+        other.device == self.device and third.device == self.device and \
+        (mine.op is not CONST or (other._base or other).op is not CONST or (third._base or third).op is not CONST):
+      # a select (every backward's masks): only three constants fold (the general path's rule for WHERE)
+      return LazyBuffer.create_base(self.device, self.shape, dtype or third.dtype, WHERE, None, (self, other, third))
     others = () if other is None else (other,) if third is None else (other, third)
     srcs = (self, *others)
     for src in others:

@@ -118,7 +118,7 @@ def _lazy_pair(device: str | None = None) -> tuple[LazyBuffer, LazyBuffer]:
 
 
 @pytest.mark.parametrize("name, build, most", [
-  # Python 3.11 (CI's), counted here on main before session 20's eager21: 525, 933, 591, 575, 962, 404, 258, 515
+  # Python 3.11 (CI's), counted here on main before session 20's eager21: 525, 933, 591, 575, 962, 404, 258, 515, 670
   ("x * y", lambda x, y, a, b: x * y, 512),
   ("x - y", lambda x, y, a, b: x - y, 770),     # the negation's MUL by -1 through the unary fast path
   ("x + 1.5", lambda x, y, a, b: x + 1.5, 575),
@@ -127,6 +127,7 @@ def _lazy_pair(device: str | None = None) -> tuple[LazyBuffer, LazyBuffer]:
   ("lazy -a", lambda x, y, a, b: a.elementwise(Ops.NEG), 255),
   ("lazy a + b", lambda x, y, a, b: a.elementwise(Ops.ADD, b), 245),
   ("lazy a.reduce", lambda x, y, a, b: a.reduce(Ops.SUM, (1,)), 492),
+  ("lazy where", lambda x, y, a, b: a.elementwise(Ops.CMPLT, b).elementwise(Ops.WHERE, a, b.operand_like(0.0)), 555),
 ])
 def test_bytecodes_per_op(name: str, build: Callable[..., Any], most: int) -> None:
   """Graph building's cost per op in bytecodes (issue 26's CPU row is this, summed over a training step), on CLANG
@@ -152,6 +153,20 @@ def test_float_negation_is_one_product_with_the_shared_minus_one() -> None:
   ints = (Tensor(np.array([1, -2, 0], np.int32)) + 1).lazydata
   assert ints.elementwise(Ops.NEG).op is Ops.NEG
   np.testing.assert_array_equal((-(Tensor(np.array([1, -2, 0], np.int32)) + 1)).numpy(), np.array([-2, 1, -1]))
+
+
+def test_where_fast_path_builds_the_general_paths_graph() -> None:
+  """A select of computed or constant operands is one WHERE base of the third operand's dtype (or the one asked for);
+  three constants fold to a constant, as the general path folds them; values against numpy."""
+  a, b = _lazy_pair()
+  mask = a.elementwise(Ops.CMPLT, b)
+  zero = b.operand_like(0.0)
+  selected = mask.elementwise(Ops.WHERE, a, zero)
+  assert selected.op is Ops.WHERE and selected.srcs == (mask, a, zero) and selected.dtype == dtypes.float32
+  folded = mask.const_like(True).elementwise(Ops.WHERE, a.const_like(2.0), a.const_like(3.0))
+  assert folded.const_value() == 2.0
+  x, y = _values(4, 4), _values(4, 4)
+  np.testing.assert_array_equal((Tensor(x) < Tensor(y)).where(Tensor(x), 0.0).numpy(), np.where(x < y, x, 0.0))
 
 
 def test_reduce_axes_normalized_as_before() -> None:
