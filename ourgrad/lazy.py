@@ -305,12 +305,17 @@ class LazyBuffer:
     if shape == self.shape: return self
     return self.view(self.st.expand(shape)) if self._const is None else self._moved(ShapeTracker.expand, shape)
 
+  # pad and shrink: loops rather than all() over a generator (a frame resumed per dimension; convolutions and pooling
+  # make them every step); nothing to pad or cut is this buffer itself
   def pad(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
-    return self if all(pads == (0, 0) for pads in arg) else self._moved(ShapeTracker.pad, arg)
+    for pads in arg:
+      if pads != (0, 0): return self._moved(ShapeTracker.pad, arg)
+    return self
 
   def shrink(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
-    if all(bounds == (0, size) for bounds, size in zip(arg, self.shape)): return self
-    return self._moved(ShapeTracker.shrink, arg)
+    for bounds, size in zip(arg, self.shape):
+      if bounds != (0, size): return self._moved(ShapeTracker.shrink, arg)
+    return self
 
   def flip(self, axes_mask: tuple[bool, ...]) -> LazyBuffer:
     return self if not any(axes_mask) else self._moved(ShapeTracker.flip, axes_mask)
