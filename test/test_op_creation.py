@@ -61,6 +61,8 @@ def _python_frames(build: Callable[[], Any], calls: int = 10) -> float:
   ("expr8", lambda x, y: _expr8(x, 1.25), 78),
   ("x.reshape(16)", lambda x, y: x.reshape(16), 9),
   ("x.reshape(1, 16).expand(3, 16)", lambda x, y: x.reshape(1, 16).expand(3, 16), 18),
+  ("x - y", lambda x, y: x - y, 13),             # (15 before session 20: the negation through the general path)
+  ("-x", lambda x, y: -x, 11),                   # (12.2)
 ])
 def test_python_frames_per_op(name: str, build: Callable[[Tensor, Tensor], Tensor], frames: int) -> None:
   x, y = Tensor(_values(4, 4)).realize(), Tensor(_values(4, 4)).realize()
