@@ -69,30 +69,31 @@ class Function:
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
     ctx = _new_function(cls)
-    # _record_inputs written out (one frame less for every op built)
+    # _record_inputs written out (one frame less for every op built); the flags kept in a local too (each read of
+    # ctx's attribute below would be two more steps, on every op built). Not the device: a forward may set it (Shard)
     ctx.device = tensors[0]._lazydata.device   # (Tensor.device without the property call)
     ctx.needs_input_grad = needs = list(map(_requires_grad_of, tensors))
-    ctx.requires_grad = True if True in needs else None if None in needs else False
-    if ctx.requires_grad:
+    ctx.requires_grad = requires = True if True in needs else None if None in needs else False
+    if requires:
       ctx.parents, ctx.parent_ctxs, ctx.versions_seen = tensors, tuple(map(_ctx_of, tensors)), Storage.versions_made
     output = ctx.forward(*map(_lazydata_of, tensors), **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch; under no_grad() nothing
     # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
     # of silently doing nothing)
-    if ctx.requires_grad is not False and (Tensor.no_grad or not output.dtype.is_float): ctx.requires_grad = False
+    if requires is not False and (Tensor.no_grad or not output.dtype.is_float): ctx.requires_grad = requires = False
     if type(output) is LazyBuffer and output.device == ctx.device:
       # the result of nearly every op: a tensor around `output` as it is. Its four slots set here cost a fraction of
       # Tensor.__init__'s checks (none applies: one device, no dtype change, a gradient only for floats)
-      result = object.__new__(Tensor)
-      result._lazydata, result.requires_grad, result.grad = output, ctx.requires_grad, None
-      result._ctx = ctx if ctx.requires_grad else None
+      result = _new_tensor(Tensor)
+      result._lazydata, result.requires_grad, result.grad = output, requires, None
+      result._ctx = ctx if requires else None
       return result
-    result = Tensor(output, device=ctx.device, requires_grad=ctx.requires_grad)
-    if ctx.requires_grad: result._ctx = ctx
+    result = Tensor(output, device=ctx.device, requires_grad=requires)
+    if requires: result._ctx = ctx
     return result
 
 
-_new_function = object.__new__
+_new_function = _new_tensor = object.__new__
 # per-input reads through map (C), not list comprehensions: each comprehension is one more Python frame per op built
 _lazydata_of = operator.attrgetter("lazydata")   # (Tensor.lazydata: the newest version of the tensor's memory)
 _requires_grad_of = operator.attrgetter("requires_grad")

@@ -73,8 +73,9 @@ _HOST_CONSTANTS_MAX = 64
 _HOST_CONSTANT_MAX_ELEMENTS = 1 << 16
 
 
-# LazyBuffer.operand_constant's shared constants: (value, sign, value's type, dtype, device, shape) -> a view of a CONST
-# base. Bounded: cleared when full (a long run with ever new shapes starts over rather than keeping them all)
+# LazyBuffer.operand_constant's shared constants: (value, value's type, dtype, device, shape), for a zero (value, sign,
+# value's type, dtype, device, shape) -> a view of a CONST base. Bounded: cleared when full (a long run with ever new
+# shapes starts over rather than keeping them all)
 _OPERAND_CONSTANTS: dict[tuple, LazyBuffer] = {}
 _OPERAND_CONSTANTS_MAX = 4096
 register_cache_clearer(_OPERAND_CONSTANTS.clear)
@@ -106,11 +107,14 @@ class LazyBuffer:
     """A new base computing `op` (with `arg`) over `srcs`, of `shape` and `dtype`: the node every op builds."""
     # every op built runs this: its slots set here, in one frame (no __init__, no helpers)
     base = _new_lazy_buffer(LazyBuffer)
-    # (ShapeTracker.from_shape's interned tracker, read without a call where it is made already)
-    st = IDENTITY_TRACKERS.get(shape) if type(shape) is tuple else None
-    if st is None: st = ShapeTracker.from_shape(shape)
+    # (ShapeTracker.from_shape's interned tracker, read without a call where it is made already: a plain subscript,
+    # as a try costs nothing until it catches a new shape or a shape given as a list)
+    try:
+      st = IDENTITY_TRACKERS[shape]
+    except (KeyError, TypeError):
+      st = ShapeTracker.from_shape(shape)
     base.device, base.st, base.dtype = device, st, dtype
-    base.shape = st.views[-1].shape   # (ShapeTracker.shape without the property call)
+    base.shape = st.shape   # (a remembered attribute of the interned tracker after its first read)
     # a constant (LazyBuffer.full: Tensor.zeros, a folded `x * 0`) is a broadcast scalar, not memory: the storage a
     # tensor holding it stands for, and this buffer's view of it (None: the whole), so that writes to the tensor or
     # through its views reach every view (Storage.of_constant)
@@ -126,23 +130,25 @@ class LazyBuffer:
     # the memory this base is a version of, once an in-place write made a newer one (`write`): tensors holding this
     # base or a view of it read its newest version (`current`), computed readers keep this one
     base._storage = None
-    base._trace_index = -1   # its position in the creation trace (lazy_trace.py), -1: not traced
-    if not srcs: return base
+    if not srcs:
+      base._trace_index = -1   # its position in the creation trace (lazy_trace.py), -1: not traced
+      return base
     # the readers of the sources and the creation trace, written out here rather than in the helpers (_add_reader,
     # lazy_trace.record): every op built runs this, and each call of a helper costs more than its work. No lock (an
     # uncontended lock cost more than the rest of this): see _prune_readers
+    # (`src._base or src`: a LazyBuffer is always true, and this is one step shorter than the conditional)
     reference = weakref.ref(base)
     for src in srcs:
-      source = src if src._base is None else src._base
-      if source.op is CONST: continue   # (never written in place: see _add_reader)
-      readers = source._readers
-      readers.append(reference)
-      if len(readers) > source._readers_limit: _prune_readers(source)
+      source = src._base or src
+      if source.op is not CONST:   # (a constant is never written in place: see _add_reader)
+        (readers := source._readers).append(reference)
+        if len(readers) > source._readers_limit: _prune_readers(source)
     trace = _TRACE[0]
-    if trace is not None and not trace.tainted and (position := len(trace.bases)) < lazy_trace.MAX_TRACED:
+    if trace is not None and not trace.tainted and (position := len(traced := trace.bases)) < lazy_trace.MAX_TRACED:
       base._trace_index = position   # (record's common case: a trace open and not full)
-      trace.bases.append(base)
+      traced.append(base)
     else:
+      base._trace_index = -1   # (record sets the position where it traces the base)
       lazy_trace.record(base)
     return base
 
@@ -196,10 +202,13 @@ class LazyBuffer:
     storage of its own (`full` tags one per call), and a constant is never written in place."""
     kind = type(value)
     try:
-      sign = math.copysign(1.0, value) if kind is float or isinstance(value, np.floating) else 0
-      key = (value, sign, kind, dtype, device, shape)
+      if value:   # (most operands: a non-zero value, whose sign its value tells)
+        key: tuple = (value, kind, dtype, device, shape)
+      else:   # 0.0 and -0.0 are equal but different constants (the key one longer: never equal to the one above)
+        sign = math.copysign(1.0, value) if kind is float or isinstance(value, np.floating) else 0
+        key = (value, sign, kind, dtype, device, shape)
       shared = _OPERAND_CONSTANTS.get(key)
-    except TypeError:   # a symbolic value or size: not shared
+    except (TypeError, ValueError):   # a value or size that does not hash (or an array's truth value): not shared
       return _constant(value, shape, dtype, device)
     if shared is not None: return shared
     shared = _constant(value, shape, dtype, device)
@@ -274,11 +283,11 @@ class LazyBuffer:
 
   def view(self, st: ShapeTracker) -> LazyBuffer:
     """This buffer's base seen through `st` (the identity view of a base is the base itself)."""
-    base = self._base if self._base is not None else self
+    base = self._base or self
     # a base's tracker is the identity (contiguous): any contiguous view of all of it is the base
     if st is base.st or (st.contiguous and st.shape == base.shape): return base
     view = _new_lazy_buffer(LazyBuffer)   # (a view has only these six slots: set here, no __init__ frame)
-    view.device, view.st, view.dtype, view.shape = self.device, st, self.dtype, st.views[-1].shape
+    view.device, view.st, view.dtype, view.shape = self.device, st, self.dtype, st.shape
     view._base, view._const = base, None
     return view
 
@@ -296,12 +305,17 @@ class LazyBuffer:
     if shape == self.shape: return self
     return self.view(self.st.expand(shape)) if self._const is None else self._moved(ShapeTracker.expand, shape)
 
+  # pad and shrink: loops rather than all() over a generator (a frame resumed per dimension; convolutions and pooling
+  # make them every step); nothing to pad or cut is this buffer itself
   def pad(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
-    return self if all(pads == (0, 0) for pads in arg) else self._moved(ShapeTracker.pad, arg)
+    for pads in arg:
+      if pads != (0, 0): return self._moved(ShapeTracker.pad, arg)
+    return self
 
   def shrink(self, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
-    if all(bounds == (0, size) for bounds, size in zip(arg, self.shape)): return self
-    return self._moved(ShapeTracker.shrink, arg)
+    for bounds, size in zip(arg, self.shape):
+      if bounds != (0, size): return self._moved(ShapeTracker.shrink, arg)
+    return self
 
   def flip(self, axes_mask: tuple[bool, ...]) -> LazyBuffer:
     return self if not any(axes_mask) else self._moved(ShapeTracker.flip, axes_mask)
@@ -323,12 +337,16 @@ class LazyBuffer:
     # the common cases written out (no tuple of sources to loop over, no folding checks unless a source is a
     # constant): a binary op or a unary op of a computed value. They decide as the general path below; an operand on
     # another device or of another shape, or a binary op with an arg, takes that path (which raises where it must)
-    mine = self if self._base is None else self._base
+    mine = self._base or self
     if other is None:
-      if mine.op is not CONST and op is not NEG:   # (nothing to fold)
-        return LazyBuffer.create_base(self.device, self.shape, dtype or self.dtype, op, arg, (self,))
+      if mine.op is not CONST:   # (nothing to fold)
+        if op is not NEG: return LazyBuffer.create_base(self.device, self.shape, dtype or self.dtype, op, arg, (self,))
+        if arg is None and dtype is None and self.dtype.is_float:
+          # -x as x * -1 (why: the general path below), built as its binary fast path builds it (a -1 never folds)
+          minus_one = LazyBuffer.operand_constant(-1, self.shape, self.dtype, self.device)
+          return LazyBuffer.create_base(self.device, self.shape, self.dtype, MUL, None, (self, minus_one))
     elif third is None and arg is None and other.shape == self.shape and other.device == self.device:
-      theirs = other if other._base is None else other._base
+      theirs = other._base or other
       out_dtype = dtype or (_BOOL if op in COMPARISON_OPS else other.dtype)
       if mine.op is CONST or theirs.op is CONST:
         value = theirs.arg if theirs.op is CONST else mine.arg
@@ -337,6 +355,11 @@ class LazyBuffer:
           folded = self._fold_constants(op, (self, other), out_dtype)
           if folded is not None: return folded
       return LazyBuffer.create_base(self.device, self.shape, out_dtype, op, None, (self, other))
+    elif op is WHERE and third is not None and arg is None and other.shape == self.shape == third.shape and \
+        other.device == self.device and third.device == self.device and \
+        (mine.op is not CONST or (other._base or other).op is not CONST or (third._base or third).op is not CONST):
+      # a select (every backward's masks): only three constants fold (the general path's rule for WHERE)
+      return LazyBuffer.create_base(self.device, self.shape, dtype or third.dtype, WHERE, None, (self, other, third))
     others = () if other is None else (other,) if third is None else (other, third)
     srcs = (self, *others)
     for src in others:
@@ -410,18 +433,19 @@ class LazyBuffer:
     device already)."""
     if op not in REDUCE_OPS: raise AssertionError(f"{op} is not a reduce op")
     shape = self.shape
-    # (loops, not generator expressions: every reduce built runs this)
-    reduced = sorted(axis for axis in axes if shape[axis] != 1)
+    # (one loop, no generator expression: every reduce built runs this)
+    kept, reduced, empty = list(shape), [], False
+    for axis in sorted(axes):
+      size = shape[axis]
+      if size != 1:
+        reduced.append(axis)
+        kept[axis] = 1
+        if size == 0: empty = True
     if not reduced: return self
-    axes = tuple(reduced)
-    kept = list(shape)
-    empty = False
-    for axis in axes:
-      if shape[axis] == 0: empty = True
-      kept[axis] = 1
-    out_shape = tuple(kept)
+    axes, out_shape = tuple(reduced), tuple(kept)
     if empty: return LazyBuffer.full(REDUCE_IDENTITY[op], out_shape, self.dtype, self.device)
-    value = self.const_value()
+    # (const_value asked only of a constant's views: most reduces are of computed values)
+    value = self.const_value() if (self._base or self).op is CONST else None
     if value is not None and not (op is SUM and any(is_symbolic(self.shape[axis]) for axis in axes)):
       count = prod(self.shape[axis] for axis in axes)
       return LazyBuffer.full(value * count if op is SUM else value, out_shape, self.dtype, self.device)

@@ -139,12 +139,10 @@ def _remember(key: Any, plan: Any) -> Any:
 
 
 def _plan_key(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...], split: bool, renderer: Any) -> tuple | None:
-  """Every fact the decisions read (_decide and the functions it calls), the loads a value takes aside; None where a
-  size is symbolic (not remembered). Built at every reduce, so it reads plain attributes only."""
-  for size in lazy.shape:
-    if type(size) is not int: return None
-  base = lazy._base
-  if base is None: base = lazy
+  """Every fact the decisions read (_decide and the functions it calls), the loads a value takes aside; None where the
+  view holds a Variable (not remembered). Built at every reduce, so it reads plain attributes only."""
+  if lazy.st.symbolic: return None   # (a remembered attribute of the interned tracker: no loop over the sizes)
+  base = lazy._base or lazy
   # a product's factors are read (where the reduced value is the product or a plain view of it: lazy.st and
   # base.shape below tell which), and on a GPU the matmul settings (only a product is split as a matmul)
   if base.op is MUL:

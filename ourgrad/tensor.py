@@ -147,7 +147,7 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
     lazy = self._lazydata
     if type(lazy) is not LazyBuffer: return lazy
     # LazyBuffer.stale written out: read for every input of every op
-    base = lazy._base if lazy._base is not None else lazy
+    base = lazy._base or lazy   # (a LazyBuffer is always true)
     storage, const = base._storage, lazy._const
     if (storage is not None and storage.head is not base) or (const is not None and const[0].head is not None):
       lazy = self._lazydata = lazy.current()

@@ -4,6 +4,7 @@ __init__. Each is checked against numpy or PyTorch, and for the sharing, that no
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,6 +53,19 @@ def test_operand_constants_keep_types_and_signs_apart() -> None:
   # -0.0 is the additive identity (the add folds away), +0.0 is not: -0.0 + 0.0 is +0.0
   np.testing.assert_array_equal(np.signbit((x + 0.0).numpy()), np.signbit(x.numpy() + np.float32(0.0)))
   np.testing.assert_array_equal(np.signbit((x + -0.0).numpy()), np.signbit(x.numpy() + np.float32(-0.0)))
+
+
+def test_operand_constant_keys_tell_every_value_apart() -> None:
+  """One shared constant per (value, its type, dtype, device, shape), zeros also by their sign (numpy's too); a value
+  met again is the same LazyBuffer; NaN (never equal to its key) is made anew."""
+  shape, device = (2, 3), Tensor([1.0]).device
+  def constant(value: Any) -> LazyBuffer: return LazyBuffer.operand_constant(value, shape, dtypes.float32, device)
+  values = [0, 0.0, -0.0, False, np.float32(0.0), np.float32(-0.0), 2, 2.0, True, 1, np.float32(2.0), -2.0]
+  made = [constant(value) for value in values]
+  assert len({id(lazy) for lazy in made}) == len(values)
+  assert all(constant(value) is lazy for value, lazy in zip(values, made))
+  assert [math.copysign(1.0, lazy.base.arg) for lazy in made[4:6]] == [1.0, -1.0]
+  assert constant(math.nan) is not constant(math.nan)
 
 
 def test_nan_and_symbolic_free_constants() -> None:

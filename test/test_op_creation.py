@@ -61,6 +61,8 @@ def _python_frames(build: Callable[[], Any], calls: int = 10) -> float:
   ("expr8", lambda x, y: _expr8(x, 1.25), 78),
   ("x.reshape(16)", lambda x, y: x.reshape(16), 9),
   ("x.reshape(1, 16).expand(3, 16)", lambda x, y: x.reshape(1, 16).expand(3, 16), 18),
+  ("x - y", lambda x, y: x - y, 13),             # (15 before session 20: the negation through the general path)
+  ("-x", lambda x, y: -x, 11),                   # (12.2)
 ])
 def test_python_frames_per_op(name: str, build: Callable[[Tensor, Tensor], Tensor], frames: int) -> None:
   x, y = Tensor(_values(4, 4)).realize(), Tensor(_values(4, 4)).realize()
@@ -87,6 +89,115 @@ def test_one_lazybuffer_per_elementwise_op(monkeypatch: pytest.MonkeyPatch) -> N
   made[0] = 0
   x.reshape(8, 8).permute(1, 0)
   assert made[0] == 2
+
+
+def _bytecodes(build: Callable[[], Any]) -> int:
+  """Bytecode instructions one call of `build` executes, warmed up (sys.settrace's opcode events: deterministic on one
+  Python version, unlike a time)."""
+  for _ in range(3): build()
+  count = [0]
+
+  def local(frame: Any, event: str, arg: Any) -> Any:
+    if event == "opcode": count[0] += 1
+    return local
+
+  def start(frame: Any, event: str, arg: Any) -> Any:
+    frame.f_trace_opcodes = True
+    return local
+  previous = sys.gettrace()
+  sys.settrace(start)
+  try:
+    build()
+  finally:
+    sys.settrace(previous)
+  return count[0]
+
+
+def _lazy_pair(device: str | None = None) -> tuple[LazyBuffer, LazyBuffer]:
+  """Two computed (unrealized) float32 (4, 4) buffers."""
+  x, y = Tensor(_values(4, 4), device=device).realize(), Tensor(_values(4, 4), device=device).realize()
+  return (x * 2).lazydata, (y * 2).lazydata
+
+
+@pytest.mark.parametrize("name, build, most", [
+  # Python 3.11 (CI's), counted here on main before session 20's eager21: 525, 933, 591, 575, 962, 404, 258, 515, 670
+  ("x * y", lambda x, y, a, b: x * y, 512),
+  ("x - y", lambda x, y, a, b: x - y, 770),     # the negation's MUL by -1 through the unary fast path
+  ("x + 1.5", lambda x, y, a, b: x + 1.5, 575),
+  ("-x", lambda x, y, a, b: -x, 430),
+  ("x.sum(1)", lambda x, y, a, b: x.sum(1), 940),
+  ("lazy -a", lambda x, y, a, b: a.elementwise(Ops.NEG), 255),
+  ("lazy a + b", lambda x, y, a, b: a.elementwise(Ops.ADD, b), 245),
+  ("lazy a.reduce", lambda x, y, a, b: a.reduce(Ops.SUM, (1,)), 492),
+  ("lazy where", lambda x, y, a, b: a.elementwise(Ops.CMPLT, b).elementwise(Ops.WHERE, a, b.operand_like(0.0)), 555),
+])
+def test_bytecodes_per_op(name: str, build: Callable[..., Any], most: int) -> None:
+  """Graph building's cost per op in bytecodes (issue 26's CPU row is this, summed over a training step), on CLANG
+  (a reduce's plan reads the device's facts: a GPU's are more)."""
+  if sys.version_info[:2] != (3, 11): pytest.skip("bytecode counts are pinned on Python 3.11")
+  x = Tensor(_values(4, 4), device="CLANG", requires_grad=True).realize()
+  y = Tensor(_values(4, 4), device="CLANG").realize()
+  a, b = _lazy_pair("CLANG")
+  assert _bytecodes(lambda: build(x, y, a, b)) <= most, name
+
+
+def test_float_negation_is_one_product_with_the_shared_minus_one() -> None:
+  """-a of a computed float is a * -1 (one MUL base reading the shared -1 constant), as the general path built it,
+  with IEEE signs: -(+0.0) is -0.0, NaN stays NaN; an integer negation stays a NEG base."""
+  a, _ = _lazy_pair()
+  negated = a.elementwise(Ops.NEG)
+  assert negated.op is Ops.MUL and negated.srcs[0] is a and negated.dtype == a.dtype
+  assert negated.srcs[1] is LazyBuffer.operand_constant(-1, a.shape, a.dtype, a.device)
+  values = np.array([0.0, -0.0, 1.5, -2.0, np.inf, np.nan], np.float32)
+  got = (-(Tensor(values) * 1.0)).numpy()   # (x * 1.0 of a stored x stays a computation: the fast path)
+  np.testing.assert_array_equal(np.signbit(got), np.signbit(-values))
+  np.testing.assert_array_equal(got, -values)
+  ints = (Tensor(np.array([1, -2, 0], np.int32)) + 1).lazydata
+  assert ints.elementwise(Ops.NEG).op is Ops.NEG
+  np.testing.assert_array_equal((-(Tensor(np.array([1, -2, 0], np.int32)) + 1)).numpy(), np.array([-2, 1, -1]))
+
+
+def test_where_fast_path_builds_the_general_paths_graph() -> None:
+  """A select of computed or constant operands is one WHERE base of the third operand's dtype (or the one asked for);
+  three constants fold to a constant, as the general path folds them; values against numpy."""
+  a, b = _lazy_pair()
+  mask = a.elementwise(Ops.CMPLT, b)
+  zero = b.operand_like(0.0)
+  selected = mask.elementwise(Ops.WHERE, a, zero)
+  assert selected.op is Ops.WHERE and selected.srcs == (mask, a, zero) and selected.dtype == dtypes.float32
+  folded = mask.const_like(True).elementwise(Ops.WHERE, a.const_like(2.0), a.const_like(3.0))
+  assert folded.const_value() == 2.0
+  x, y = _values(4, 4), _values(4, 4)
+  np.testing.assert_array_equal((Tensor(x) < Tensor(y)).where(Tensor(x), 0.0).numpy(), np.where(x < y, x, 0.0))
+
+
+def test_reduce_axes_normalized_as_before() -> None:
+  """LazyBuffer.reduce takes axes in any order, drops size-1 ones (nothing to reduce: the buffer itself), and gives
+  the reduce identity over an empty axis; values against numpy."""
+  values = _values(3, 1, 5)
+  a = (Tensor(values) * 1.0).lazydata
+  out = a.reduce(Ops.SUM, (2, 1, 0), split=False)
+  assert out.shape == (1, 1, 1) and (out.base.arg == (0, 2) or out.base.op is not Ops.SUM)
+  assert a.reduce(Ops.SUM, (1,)) is a
+  np.testing.assert_allclose(Tensor(values).sum((2, 0)).numpy(), values.sum((2, 0)), rtol=1e-5)
+  empty = (Tensor(np.zeros((2, 0), np.float32)) * 1.0).lazydata.reduce(Ops.MAX_REDUCE, (1,))
+  assert empty.shape == (2, 1) and empty.const_value() == -math.inf
+
+
+def test_bases_record_their_trace_position() -> None:
+  """A base with sources is appended to the open creation trace at its position; one without sources is not traced
+  (-1), and neither is one made while the trace is tainted (a run over MAX_TRACED without a realize)."""
+  from ourgrad import lazy_trace
+  a, b = _lazy_pair()
+  made = a.elementwise(Ops.ADD, b)
+  trace = lazy_trace._trace[0]
+  assert trace is not None and trace.position(made) == made._trace_index >= 0
+  assert LazyBuffer.create_base(a.device, [4, 4], a.dtype, Ops.EMPTY)._trace_index == -1   # (a list shape too)
+  trace.tainted = True
+  try:
+    assert a.elementwise(Ops.MUL, b)._trace_index == -1
+  finally:
+    lazy_trace.invalidate()
 
 
 class _CountingLock:
