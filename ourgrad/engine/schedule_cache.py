@@ -183,11 +183,14 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   """create_schedule(outs), from the cache where a graph of the same structure was scheduled before: found by the
   creation trace of the graph (lazy_trace.py: no graph walk) where the whole graph was made since the last schedule,
   else by the graph walk (_structure)."""
-  pending = [out for out in outs if (out if out._base is None else out._base).realized is None]
-  if not pending: return []   # nothing to compute: the trace goes on (no base changes)
-  # an output realized already adds nothing to the schedule; left in, it is no base of the creation trace, which
-  # made a realize of new work beside earlier results (a model realizing its state as it goes) walk its whole graph
-  if len(pending) < len(outs): outs = pending
+  if len(outs) == 1:   # (most realizes: no list made)
+    if (outs[0]._base or outs[0]).realized is not None: return []
+  else:
+    pending = [out for out in outs if (out._base or out).realized is None]
+    if not pending: return []   # nothing to compute: the trace goes on (no base changes)
+    # an output realized already adds nothing to the schedule; left in, it is no base of the creation trace, which
+    # made a realize of new work beside earlier results (a model realizing its state as it goes) walk its whole graph
+    if len(pending) < len(outs): outs = pending
   try:
     return _schedule(outs)
   finally:
