@@ -60,13 +60,20 @@ def main() -> None:
   runner = schedule_cache._last_traced[0].lowerings[0].runner   # (x + 1's kernel: it writes out, reads x)
   buffers = [out.lazydata.base.realized, x.lazydata.base.realized]
   launchers = {}
+  modes = [(False, "cuda-python"), (True, "ctypes")]
   for mode in (False, True):
     ops_cuda.LAUNCH_THROUGH_CTYPES[0] = mode
     launchers[mode] = runner.program.positional_launcher(runner.global_size, runner.local_size)
+  try:   # (a ctypes launch that fails is reported, and the other rows still measured)
+    launchers[True](buffers)
+    sync()
+  except Exception as error:
+    print(f"the ctypes launch failed: {type(error).__name__}: {error}")
+    modes.pop()
   rows: dict[str, list[float]] = {}
   gc.disable()
   for _ in range(args.rounds):
-    for mode, name in ((False, "cuda-python"), (True, "ctypes")):
+    for mode, name in modes:
       launcher = launchers[mode]
       rows.setdefault(f"launcher {name}", []).append(per_call_us(lambda: launcher(buffers), args.launches, sync))
       use_ctypes(mode)
