@@ -86,8 +86,12 @@ def main() -> None:
       rows.setdefault("torch x.add_(1)", []).append(per_call_us(lambda: one.add_(1), args.launches,
                                                                  torch.cuda.synchronize))
   gc.enable()
-  np_values = (x + 1).numpy()
-  print(f"launch probe: {args.rounds} rounds x {args.launches} calls, median us per call (op1 result {np_values})")
+  results = []
+  for mode, _ in modes:   # (each way's values: x is 1, so every launch of x + 1 gives 2)
+    use_ctypes(mode)
+    results.append((x + 1).numpy().tolist())
+  use_ctypes(False)
+  print(f"launch probe: {args.rounds} rounds x {args.launches} calls, median us per call (op1 results {results})")
   for name, values in rows.items():
     print(f"  {name:<24} {statistics.median(values):7.2f}  (min {min(values):.2f})")
 
