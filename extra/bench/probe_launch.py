@@ -5,6 +5,8 @@ one process, rounds alternated (issue 26):
              time until the last call returns; the device is synchronized between rounds, outside the timing)
   op1        bench_eager's `(x + 1).realize()` whole (its replayed item's launcher switched between the two)
 and PyTorch's `x.add_(1)` beside them. Medians over `--rounds` rounds, microseconds per call.
+Measured (H200 host, session 20's second checkpoint, 7 rounds): launcher 4.52 us cuda-python, 4.59 ctypes; op1 26.46
+against 26.83; PyTorch x.add_(1) 5.84: the ctypes call is no faster (as on the H100 before), so it stays off.
 Run: `python extra/bench/probe_launch.py` on a CUDA machine.
 """
 from __future__ import annotations
