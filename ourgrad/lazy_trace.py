@@ -33,6 +33,9 @@ MAX_TRACED = 50_000   # bases in one trace; beyond it the trace is dropped (tain
 _LEAF = "leaf buffer"
 _INLINE = "inline constant"
 PLAIN_ARG_TYPES = (type(None), int, bool, str)
+# the arg types a key holds as they are when true (a float zero is not: 0.0 and -0.0 are equal, hashable_arg tells them
+# apart; a false value of the others comes back from hashable_arg as it is)
+_PLAIN_TYPES = frozenset((*PLAIN_ARG_TYPES, float))
 
 
 class Trace:
@@ -115,7 +118,13 @@ def describe(trace: Trace) -> bool:
     extend((base.op, arg if type(arg) in PLAIN_ARG_TYPES or (type(arg) is float and arg) else hashable_arg(arg),
             base.dtype, base.device, base.shape, base.forced_realize, len(srcs)))
     for src in srcs:
-      src_base = src if src._base is None else src._base
+      src_base = src._base or src   # (a view's base; a base is its own: LazyBuffers are always true)
+      index = src_base._trace_index
+      # most sources are bases of this trace, which are never realized (only a schedule realizes bases, and it takes
+      # the trace first): tested first, the realized check only confirms it
+      if 0 <= index < count and bases[index] is src_base and src_base.realized is None:
+        extend((index, src.st))
+        continue
       buffer = src_base.realized
       if buffer is not None:
         leaf = leaf_index.get(id(buffer))
@@ -126,12 +135,13 @@ def describe(trace: Trace) -> bool:
         else:
           extend((_LEAF, leaf, src.st, src_base.shape))
         continue
-      index = src_base._trace_index
-      if not (0 <= index < count and bases[index] is src_base):
+      if index < 0 or index >= count or bases[index] is not src_base:
         if src_base.op is CONST and not src_base.srcs and not src_base.forced_realize:   # a constant only read
           value = src_base.arg
-          extend((_INLINE, value if type(value) in PLAIN_ARG_TYPES or (type(value) is float and value) else
-                  hashable_arg(value), src_base.dtype, src_base.device, src_base.shape, src.st))
+          # (most values are nonzero numbers; a false one goes through hashable_arg, which keeps None, 0 and False
+          # as they are and tells 0.0 from -0.0)
+          extend((_INLINE, value if type(value) in _PLAIN_TYPES and value else hashable_arg(value), src_base.dtype,
+                  src_base.device, src_base.shape, src.st))
           continue
         # a lazy base made before the trace (or a constant forced into memory): described after the ones listed
         index = src_base._trace_index = count

@@ -19,10 +19,10 @@ Python time into phases:
   autograd Tensor.backward (the walk over Functions and the gradient graphs they build)
   describe the creation trace's description (lazy_trace.describe: one pass over the bases made since the last
            schedule; the trace's appends are in graph and autograd)
-  key      the rest of the schedule cache's structural key (schedule_cache._trace_key: the outputs' positions, the
-           tuple and its hash) or, where the trace cannot describe the realize, the graph walk
-           (schedule_cache._structure)
-  lookup   the rest of scheduling: the cache lookup, snapshots and packing (or scheduling a miss)
+  key      the rest of the schedule cache's structural key (schedule_cache._trace_tokens: the outputs' positions and
+           the tuple) or, where the trace cannot describe the realize, the graph walk (schedule_cache._structure)
+  lookup   the rest of scheduling: the comparison with the last traced entry, else the hash and the cache lookup,
+           snapshots and packing (or scheduling a miss)
   replay   rebinding a cached schedule to this graph's buffers (schedule_cache._replay: fresh buffers, ScheduleItems)
   memory   the memory plan (realize.plan_schedule_memory: a recorded plan replayed on a hit)
   lower    lowering ScheduleItems to ExecItems (compiled-kernel cache lookups) and the compile note
@@ -72,7 +72,8 @@ PHASE_FUNCTIONS = {
   "autograd": [("ourgrad/tensor.py", "backward")],
   "realize": [("ourgrad/tensor.py", "realize")],
   "describe": [("ourgrad/lazy_trace.py", "describe")],
-  "key": [("ourgrad/engine/schedule_cache.py", "_structure"), ("ourgrad/engine/schedule_cache.py", "_trace_key")],
+  "key": [("ourgrad/engine/schedule_cache.py", "_structure"),
+          ("ourgrad/engine/schedule_cache.py", "_trace_tokens")],
   "schedule": [("ourgrad/engine/schedule_cache.py", "schedule")],
   "replay": [("ourgrad/engine/schedule_cache.py", "_replay")],
   "memory": [("ourgrad/engine/realize.py", "plan_schedule_memory")],

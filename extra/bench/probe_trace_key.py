@@ -37,7 +37,7 @@ def probe(name: str, make: Callable[[str, int], Callable[[], Any]], device: str,
   step = make(device, batch)
   for _ in range(3): step()
   caught: dict[str, Any] = {}
-  trace_key = schedule_cache._trace_key
+  trace_key = schedule_cache._trace_tokens
 
   def catching(trace: lazy_trace.Trace, outs: Any, settings: tuple) -> Any:
     if "bases" not in caught:
@@ -52,11 +52,11 @@ def probe(name: str, make: Callable[[str, int], Callable[[], Any]], device: str,
       caught["walk"] = best_us(lambda: schedule_cache._structure(caught["outs"]), calls)
       for position, base in enumerate(trace.bases): base._trace_index = position
     return trace_key(trace, outs, settings)
-  schedule_cache._trace_key = catching
+  schedule_cache._trace_tokens = catching
   try:
     step()
   finally:
-    schedule_cache._trace_key = trace_key
+    schedule_cache._trace_tokens = trace_key
   print(f"{name}: {len(caught['bases'])} traced bases, {len(caught['outs'])} outputs | describe "
         f"{caught['describe']:.1f} us | graph walk (_structure) {caught['walk']:.1f} us")
 

@@ -26,7 +26,7 @@ from ourgrad.lazy_trace import PLAIN_ARG_TYPES, hashable_arg
 from ourgrad.device import Buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
-from ourgrad.engine.schedule_item import LoweringMemo
+from ourgrad.engine.schedule_item import LoweringMemo, replayed_item
 from ourgrad.helpers import (ELEMENT_REDUCES, GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, RIDE_ALONG,
                              ROW_KERNELS, SPLIT_LAST_BLOCK, EnvSnapshot, env_var, register_cache_clearer, tf32_allowed)
 from ourgrad.lazy import LazyBuffer
@@ -90,10 +90,13 @@ class CachedSchedule:
 _cache: OrderedDict[_Key, CachedSchedule] = OrderedDict()
 # the same schedules keyed by creation traces (lazy_trace.py), in the trace's terms (_in_trace_terms)
 _traced: OrderedDict[_Key, CachedSchedule] = OrderedDict()
+# the entry of _traced that the last traced realize found or stored (checked first: _schedule)
+_last_traced: list[CachedSchedule | None] = [None]
 # clear_caches() drops the cached schedules too: they keep their kernels' runners and ExecItems (with the buffer handles
 # their launchers were bound to), which would otherwise outlive the compiled-kernel cache they came from
 register_cache_clearer(_cache.clear)
 register_cache_clearer(_traced.clear)
+register_cache_clearer(lambda: _last_traced.__setitem__(0, None))
 
 
 def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], list[Buffer]]:
@@ -180,11 +183,14 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   """create_schedule(outs), from the cache where a graph of the same structure was scheduled before: found by the
   creation trace of the graph (lazy_trace.py: no graph walk) where the whole graph was made since the last schedule,
   else by the graph walk (_structure)."""
-  pending = [out for out in outs if (out if out._base is None else out._base).realized is None]
-  if not pending: return []   # nothing to compute: the trace goes on (no base changes)
-  # an output realized already adds nothing to the schedule; left in, it is no base of the creation trace, which
-  # made a realize of new work beside earlier results (a model realizing its state as it goes) walk its whole graph
-  if len(pending) < len(outs): outs = pending
+  if len(outs) == 1:   # (most realizes: no list made)
+    if (outs[0]._base or outs[0]).realized is not None: return []
+  else:
+    pending = [out for out in outs if (out._base or out).realized is None]
+    if not pending: return []   # nothing to compute: the trace goes on (no base changes)
+    # an output realized already adds nothing to the schedule; left in, it is no base of the creation trace, which
+    # made a realize of new work beside earlier results (a model realizing its state as it goes) walk its whole graph
+    if len(pending) < len(outs): outs = pending
   try:
     return _schedule(outs)
   finally:
@@ -201,19 +207,30 @@ def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   if not settings[0] or settings[2]: return scheduler.create_schedule(outs)
   trace = lazy_trace.take()
   tf32 = tf32_allowed()   # (TF32 allowed: matmul operands are staged for the WGMMA plan only then, operand_staging.py)
-  trace_key = _trace_key(trace, outs, (settings, tf32)) if trace is not None and settings[1] else None
-  if trace_key is not None:
-    traced = _traced.get(trace_key)
+  trace_tokens = _trace_tokens(trace, outs, (settings, tf32)) if trace is not None and settings[1] else None
+  trace_key: _Key | None = None
+  if trace_tokens is not None:
+    # the schedule the last traced realize found first (a loop realizes one graph again and again): compared in C,
+    # no hash and no lookup; equal tokens are equal keys, so it is the entry a lookup would find
+    traced = _last_traced[0]
+    if traced is None or traced.key.tokens != trace_tokens:
+      # hashed by its length and outputs only (hashing every token calls each view's and dtype's Python __hash__;
+      # the settings rarely differ): keys that share those are told apart by comparing their tokens and settings,
+      # which a hit does once anyway
+      trace_key = _Key(trace_tokens, hash((len(trace_tokens[0]), trace_tokens[1])))
+      traced = _traced.get(trace_key)
+      if traced is not None: _last_traced[0] = traced
     if traced is not None:
       _traced.move_to_end(traced.key)
       stats.hits += 1
       stats.traced_hits += 1
       bases, leaves = trace.bases, trace.leaves
       del trace
-      assigns = [(bases[index], bases[index].srcs[1].base) for index in traced.assigns] if traced.assigns else []
+      if not traced.assigns: return _replay(traced, bases, leaves)
+      assigns = [(bases[index], bases[index].srcs[1].base) for index in traced.assigns]
       items = _replay(traced, bases, leaves)
       del bases, leaves   # (see below)
-      return scheduler.protect_and_pack(items, assigns) if assigns else items
+      return scheduler.protect_and_pack(items, assigns)
   key, bases, leaves = _structure(outs)
   if not bases: return []
   key = _Key((key, settings, tf32))
@@ -238,7 +255,8 @@ def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
     if traced is not None:
       traced.key = trace_key
       _traced[trace_key] = traced
-      if len(_traced) > CACHE_SIZE: _traced.popitem(last=False)
+      _last_traced[0] = traced
+      if len(_traced) > CACHE_SIZE: _traced.popitem(last=False)   # (the least recently used: not the last one)
   # copy-on-write for lazy readers of an assigned buffer is decided on every call, hit or miss, and only after this
   # frame lets go of the walked graph (and of the trace, which holds every base made since the last schedule): only
   # readers someone else still holds may need the old contents
@@ -246,25 +264,20 @@ def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   return scheduler.protect_and_pack(items, assigns) if assigns else items
 
 
-def _trace_key(trace: lazy_trace.Trace, outs: Sequence[LazyBuffer], settings: tuple) -> _Key | None:
-  """The key of realizing `outs` from the creation trace: the trace's description (lazy_trace.describe), each
-  output's position there and view, and `settings` (what else the scheduler's decisions read); None when an output is
-  not an unrealized base of the trace (a constant, made before it) or the trace is inconsistent."""
+def _trace_tokens(trace: lazy_trace.Trace, outs: Sequence[LazyBuffer], settings: tuple) -> tuple | None:
+  """The key tokens of realizing `outs` from the creation trace: the trace's description (lazy_trace.describe),
+  each output's position there and view, and `settings` (what else the scheduler's decisions read); None when an
+  output is not an unrealized base of the trace (a constant, made before it) or the trace is inconsistent."""
   references: list[Any] = []
   bases = trace.bases
   for out in outs:
-    base = out if out._base is None else out._base
+    base = out._base or out
     index = base._trace_index   # (Trace.position without the call: a base of this trace is at its position)
     if not (0 <= index < len(bases) and bases[index] is base) or base.realized is not None: return None
     references.append(index)
     references.append(out.st)
   if not lazy_trace.describe(trace): return None
-  tokens = tuple(trace.tokens)
-  # hashed by its length and outputs only (hashing every token calls each view's and dtype's Python __hash__; the
-  # settings rarely differ): keys that share those are told apart by comparing their tokens and settings, which a hit
-  # does once anyway
-  references_key = tuple(references)
-  return _Key((tokens, references_key, settings), hash((len(tokens), references_key)))
+  return (tuple(trace.tokens), tuple(references), settings)
 
 
 def _in_trace_terms(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer],
@@ -336,15 +349,16 @@ def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buf
 
 def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer]) -> list[ScheduleItem]:
   pool = list(leaves)
+  append = pool.append
   for index, device, size, dtype in cached.fresh:
     buffer = bases[index].realized = Buffer(device, size, dtype)
-    pool.append(buffer)
+    append(buffer)
   # an assign writes a leaf's buffer, or the buffer of an earlier assign of this graph (a chain), a packed attention
   # dK/dV op the dQ op's: all in the pool
   for index, slot in cached.shared: bases[index].realized = pool[slot]
-  for device, size, dtype in cached.scratch: pool.append(Buffer(device, size, dtype))
+  for device, size, dtype in cached.scratch: append(Buffer(device, size, dtype))
   take = pool.__getitem__
-  items = [ScheduleItem(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
+  items = [replayed_item(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
            for ast, outputs, inputs, lowering in zip(cached.asts, cached.output_slots, cached.input_slots,
                                                      cached.lowerings)]
   for index in cached.cleared: bases[index].srcs = ()

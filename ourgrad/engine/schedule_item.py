@@ -51,3 +51,16 @@ class ScheduleItem:
 
   @property
   def bufs(self) -> tuple[Buffer, ...]: return self.outputs + self.inputs
+
+
+_new_object, _set_attribute = object.__new__, object.__setattr__
+
+
+def replayed_item(ast: LazyOp, outputs: tuple[Buffer, ...], inputs: tuple[Buffer, ...],
+                  lowering: LoweringMemo | None) -> ScheduleItem:
+  """ScheduleItem(ast, outputs, inputs, lowering), made with one C call for its fields: the frozen dataclass's
+  __init__ sets each field through object.__setattr__ (a lookup and a call per field), and a replayed schedule
+  (engine/schedule_cache.py) makes one item per kernel at every realize. The same object: equal, equally hashed."""
+  item = _new_object(ScheduleItem)
+  _set_attribute(item, "__dict__", {"ast": ast, "outputs": outputs, "inputs": inputs, "lowering": lowering})
+  return item

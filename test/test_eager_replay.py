@@ -1,0 +1,86 @@
+"""A repeated small realize's short paths (issue 26): the schedule the last traced realize found, compared first; items
+of a replayed schedule made without the dataclass's __init__; one replayed kernel launched without run_schedule's
+loop. Each gives what the general path gives: values against numpy, the same kernel counts, nothing stale."""
+import numpy as np
+
+import ourgrad.engine.schedule_cache as schedule_cache
+from ourgrad import Tensor, TinyJit, dtypes
+from ourgrad.engine.schedule_item import ScheduleItem, replayed_item
+from ourgrad.helpers import GlobalCounters, clear_caches
+
+
+def test_the_last_traced_schedule_is_found_again_and_never_reused_for_another_graph():
+  """Graphs alternated so that the last traced entry is right, then wrong (another constant, its sign, the dtype, the
+  input's length, another leaf of the same length): every result against numpy; each repeat of the last graph is a
+  traced hit."""
+  rng = np.random.default_rng(20)
+  values = {length: rng.standard_normal(length).astype(np.float32) for length in (5, 6)}
+  leaves = {length: Tensor(value).realize() for length, value in values.items()}
+  other = Tensor(values[5][::-1].copy()).realize()
+  cases = [(5, 2.0, dtypes.float32, False), (5, 2.0, dtypes.float32, False), (5, 3.0, dtypes.float32, False),
+           (5, 0.0, dtypes.float32, False), (5, -0.0, dtypes.float32, False), (5, 2.0, dtypes.int32, False),
+           (6, 2.0, dtypes.float32, False), (5, 2.0, dtypes.float32, True), (5, 2.0, dtypes.float32, False)]
+  for round_ in range(2):
+    for length, constant, dtype, swapped in cases:
+      x = other if swapped else leaves[length]
+      x_values = values[5][::-1] if swapped else values[length]
+      if dtype == dtypes.int32: x, x_values = x.cast(dtypes.int32).realize(), x_values.astype(np.int32)
+      traced = schedule_cache.stats.traced_hits
+      result = (1.0 / ((x.abs() + 1.5) * constant)).numpy()
+      # (1 / -0.0 is -inf: the sign of a zero constant must reach the kernel)
+      with np.errstate(divide="ignore"):
+        expected = 1.0 / ((np.abs(x_values).astype(np.float32) + np.float32(1.5)) * np.float32(constant))
+      np.testing.assert_allclose(result, expected, rtol=1e-6)
+      if round_: assert schedule_cache.stats.traced_hits == traced + 1   # (the second round: every graph known)
+
+
+def test_cleared_caches_drop_the_last_traced_schedule():
+  x = Tensor(np.arange(3, dtype=np.float32)).realize()
+  for _ in range(3): (x + 1).realize()
+  assert schedule_cache._last_traced[0] is not None
+  clear_caches()
+  assert schedule_cache._last_traced[0] is None
+  np.testing.assert_array_equal((x + 1).numpy(), np.arange(3, dtype=np.float32) + 1)
+
+
+def test_the_last_traced_schedule_stays_the_most_recent_entry_under_eviction(monkeypatch):
+  """More distinct graphs than the cache holds, realized in turn: the entry compared first is never one the cache
+  dropped (a move to the end of a dropped key would fail), and every result is right."""
+  monkeypatch.setattr(schedule_cache, "CACHE_SIZE", 3)
+  x = Tensor(np.arange(4, dtype=np.float32)).realize()
+  for step in range(12):
+    constant = float(step % 5)
+    np.testing.assert_array_equal((x * constant).numpy(), np.arange(4, dtype=np.float32) * constant)
+    np.testing.assert_array_equal((x * constant).numpy(), np.arange(4, dtype=np.float32) * constant)
+    last = schedule_cache._last_traced[0]
+    assert last is not None and last.key in schedule_cache._traced and len(schedule_cache._traced) <= 3
+
+
+def test_replayed_items_are_schedule_items():
+  item = ScheduleItem("ast", (1,), (2, 3))
+  made = replayed_item("ast", (1,), (2, 3), None)
+  assert type(made) is ScheduleItem and made == item and hash(made) == hash(item)
+  assert (made.ast, made.outputs, made.inputs, made.lowering, made.bufs) == ("ast", (1,), (2, 3), None, (1, 2, 3))
+  try:
+    made.ast = "other"
+  except AttributeError:
+    pass
+  else:
+    raise AssertionError("a replayed item must stay frozen")
+
+
+def test_one_replayed_kernel_counts_once_and_a_recording_jit_still_sees_it():
+  """The single-kernel launch of run_schedule counts one kernel a realize; under TinyJit (which records the items it
+  sees) the same realize is captured, and the replays give the values of new inputs."""
+  x = Tensor(np.arange(5, dtype=np.float32)).realize()
+  for _ in range(3): (x - 2).realize()
+  before = GlobalCounters.kernel_count
+  for _ in range(4): (x - 2).realize()
+  assert GlobalCounters.kernel_count == before + 4
+
+  @TinyJit
+  def step(inputs: Tensor) -> Tensor: return (inputs - 2).realize()
+  for value in range(4):
+    inputs = Tensor(np.full(5, value, dtype=np.float32)).realize()
+    np.testing.assert_array_equal(step(inputs).numpy(), np.full(5, value - 2, dtype=np.float32))
+  assert len(step.captured.items) == 1
