@@ -195,35 +195,3 @@ def test_a_positional_launch_rewrites_only_the_slots_whose_buffer_changed(progra
   assert [values for _, _, values in recorder.launches] == [(0x100, 0x200, 0x300)] * 3 + [(0x100, 0x400, 0x300)]
   assert recorder.launches[0][:2] == ((2, 1, 1), (32, 1, 1))
   assert (a.conversions, b.conversions, c.conversions, d.conversions) == (1, 1, 1, 1)
-
-
-def test_a_ctypes_positional_launch_passes_what_the_wrapper_passes(program, monkeypatch):
-  """LAUNCH_THROUGH_CTYPES: libcuda's cuLaunchKernel called with ctypes objects made once (the function, sizes, shared
-  bytes, stream, kernelParams, no extra), the argument slots rewritten as with cuda-python's wrapper; a failed status
-  is a DeviceError naming the call."""
-  monkeypatch.setattr(ops_cuda, "LAUNCH_THROUGH_CTYPES", [True])
-  monkeypatch.setattr(program, "function", driver.CUfunction(0xF00))
-  monkeypatch.setattr(program.device, "stream", driver.CUstream(0x50), raising=False)
-  launches, status = [], [0]
-
-  def libcuda_launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-    pointers = ctypes.cast(params.value, ctypes.POINTER(ctypes.c_void_p))
-    values = tuple(ctypes.c_uint64.from_address(pointers[index]).value for index in range(2))
-    launches.append((function.value, tuple(size.value for size in (gx, gy, gz, bx, by, bz, shared)), stream.value,
-                     values, extra.value))
-    return status[0]
-  monkeypatch.setattr(ops_cuda, "_ctypes_launch", lambda: libcuda_launch)
-
-  class FakeBuffer:
-    def __init__(self, address: int): self._handle = driver.CUdeviceptr(address)
-
-  launch = program.positional_launcher((2, 1, 1), (32, 1, 1))
-  launch([FakeBuffer(0x100), FakeBuffer(0x200)])
-  launch([FakeBuffer(0x100), FakeBuffer(0x300)])
-  assert launches == [(0xF00, (2, 1, 1, 32, 1, 1, 0), 0x50, (0x100, 0x200), None),
-                      (0xF00, (2, 1, 1, 32, 1, 1, 0), 0x50, (0x100, 0x300), None)]
-  status[0] = int(driver.CUresult.CUDA_ERROR_INVALID_VALUE)
-  monkeypatch.setattr(driver, "cuGetErrorName", lambda error: (SUCCESS, b"CUDA_ERROR_INVALID_VALUE"))
-  monkeypatch.setattr(driver, "cuGetErrorString", lambda error: (SUCCESS, b"invalid argument"))
-  with pytest.raises(ops_cuda.DeviceError, match=r"cuLaunchKernel\(E_4\).*CUDA_ERROR_INVALID_VALUE"):
-    launch([FakeBuffer(0x100), FakeBuffer(0x300)])

@@ -487,15 +487,6 @@ class PositionalLaunch:
     self.arguments, self.pointers = pointer_arguments([0] * count)
     self.handles = [None] * count
     program = self.program
-    if LAUNCH_THROUGH_CTYPES[0]:
-      # libcuda's cuLaunchKernel called through ctypes with every argument a ctypes object made here (no argtypes:
-      # ctypes passes such an object as it is, no conversion per call); its result a plain int
-      values = (ctypes.c_void_p(int(program.function)), *map(ctypes.c_uint, (*self.global_size, *self.local_size,
-                                                                              program.shared_bytes)),
-                ctypes.c_void_p(int(program.device.stream)), ctypes.c_void_p(ctypes.addressof(self.pointers)),
-                ctypes.c_void_p(0))
-      self.call_driver = functools.partial(_ctypes_launch(), *values)
-      return
     self.call_driver = functools.partial(driver.cuLaunchKernel, program.function, *self.global_size,
                                          *self.local_size, program.shared_bytes, program.device.stream,
                                          ctypes.addressof(self.pointers), 0)
@@ -509,25 +500,8 @@ class PositionalLaunch:
       if handle is not handles[index]:
         arguments[index] = int(handle)
         handles[index] = handle
-    result = self.call_driver()
-    # (cuda-python's result: a tuple holding the CUresult; the ctypes call's: an int, 0 on success)
-    if type(result) is int:
-      if result: check((driver.CUresult(result),), f"cuLaunchKernel({self.program.name})")
-      return
-    if result[0] is not CUDA_SUCCESS: check(result, f"cuLaunchKernel({self.program.name})")
-
-
-# whether PositionalLaunch calls libcuda's cuLaunchKernel through ctypes (True) or cuda-python's wrapper (False); read
-# when a launcher makes its arrays (extra/bench/probe_launch.py compares the two)
-LAUNCH_THROUGH_CTYPES = [False]
-
-
-@functools.lru_cache(maxsize=None)
-def _ctypes_launch() -> Any:
-  """libcuda's cuLaunchKernel as a ctypes function returning an int (CUresult)."""
-  function = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
-  function.restype = ctypes.c_int
-  return function
+    (status,) = self.call_driver()
+    if status is not CUDA_SUCCESS: check((status,), f"cuLaunchKernel({self.program.name})")
 
 
 def programmatic_edge(early: bool) -> Any:
