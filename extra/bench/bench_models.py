@@ -6,9 +6,11 @@ lookup moves, ourgrad beside PyTorch eager on the same device in one run.
   the host (both libraries pick the next token there). ourgrad's steps
   run through one TinyJit capture: "symbolic" takes the position as a bound Variable (attention reads
   cache[:, :pos + 1]); "fixed shapes" passes it as host-made inputs (a mask over the whole cache), which a CUDA
-  graph can replay. Two more rows per fixed-shape mode: `Llama.decode_greedy` (the argmax taken on the device, each
-  step reading back one id instead of the logits: what a caller that only needs ids pays) and
-  `Llama.generate_greedy` (the steps fed back on the device, launched back to back, the ids read once at the end).
+  graph can replay. Three more rows per fixed-shape mode: `Llama.decode_greedy` (the argmax taken on the device, each
+  step reading back one id instead of the logits: what a caller that only needs ids pays), `Llama.stream_greedy`
+  (the steps fed back on the device, each step's id on the host as it finishes, the host one step ahead: what
+  examples/llm.py's greedy replies run) and `Llama.generate_greedy` (the steps fed back on the device, launched back
+  to back, the ids read once at the end).
 - SmolLM2 prefill: seconds to run a `--prefill`-token prompt to the first token's logits (kernels compiled before):
   eager (scheduled each time, from the schedule cache), through the TinyJit Llama keeps per prompt bucket (the same
   length run before: a replay), and prompts of lengths never run before in that bucket (padded to it, replayed:
@@ -306,7 +308,10 @@ def decode_kernel_table(label: str, model: Llama) -> None:
     print(f"  {name:<28} {launches:>9} {written:>8} {moved:>12,}  {reads}", file=sys.stderr)
 
 
-ON_DEVICE, FED_BACK = ", argmax on the device", ", fed back on the device"   # the --batch rows' ways to step
+# the ways to step of the greedy rows: the id read back each step (blocking), each step's ids streamed to the host while
+# the next step runs (`stream_greedy`: examples/llm.py's path), or the steps fed back and the ids read once at the end
+ON_DEVICE, STREAMED, FED_BACK = ", argmax on the device", ", streamed one step ahead", ", fed back on the device"
+GREEDY_WAYS = (ON_DEVICE, STREAMED, FED_BACK)
 
 
 def batch_decode_row(args: argparse.Namespace, config: LlamaConfig, weights: dict, kind: str, max_context: int,
@@ -322,7 +327,8 @@ def batch_decode_row(args: argparse.Namespace, config: LlamaConfig, weights: dic
 
   def run(steps: int, how: str) -> tuple[list[int], float]:
     """(sequence 0's greedy tokens, seconds of the decode steps alone): the logits read back ("") or the argmax on
-    the device (`decode_greedy`) each step, or the steps fed back on the device (`generate_greedy`)."""
+    the device (`decode_greedy`) each step, each step's ids streamed (`stream_greedy`), or the steps fed back on the
+    device (`generate_greedy`)."""
     logits = np.stack([model(Tensor([p], dtype=dtypes.int32, device=args.device), 0, sequence=row).numpy()[0]
                        for row, p in enumerate(prompts)])
     tokens = [int(t) for t in logits.argmax(-1)]
@@ -331,6 +337,9 @@ def batch_decode_row(args: argparse.Namespace, config: LlamaConfig, weights: dic
     if how == FED_BACK:
       generated = model.generate_greedy(tokens, [len(p) for p in prompts], steps)
       return [tokens[0]] + generated[0][:steps - 1], time.perf_counter() - started
+    if how == STREAMED:
+      streamed = [ids[0] for ids in model.stream_greedy(tokens, [len(p) for p in prompts], steps)]
+      return [tokens[0]] + streamed[:steps - 1], time.perf_counter() - started
     on_device = how == ON_DEVICE
     for step in range(steps):
       first.append(tokens[0])
@@ -338,7 +347,7 @@ def batch_decode_row(args: argparse.Namespace, config: LlamaConfig, weights: dic
       if on_device: tokens = model.decode_greedy(tokens, positions)
       else: tokens = [int(t) for t in model.decode(tokens, positions).numpy().argmax(-1)]
     return first, time.perf_counter() - started
-  for how in ("", ON_DEVICE, FED_BACK):
+  for how in ("",) + GREEDY_WAYS:
     run(2, how)
     first, _ = run(args.decode_tokens, how)
     same = next((i for i, (a, b) in enumerate(zip(first, torch_tokens)) if a != b), len(first))
@@ -404,6 +413,15 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
     generated = model.generate_greedy(first, len(prompt), steps)[0]
     return [first] + generated[:steps - 1], time.perf_counter() - started
 
+  def stream_resident(model: Llama, steps: int) -> tuple[list[int], float]:
+    """(greedy tokens, seconds of the decode steps alone) streamed to the host one step ahead (`stream_greedy`, what
+    examples/llm.py runs): each step's id on the host as it finishes, in order."""
+    logits = model(Tensor([prompt], dtype=dtypes.int32, device=args.device), 0).numpy()[0]
+    first = int(logits.argmax())
+    started = time.perf_counter()
+    streamed = [ids[0] for ids in model.stream_greedy(first, len(prompt), steps)]
+    return [first] + streamed[:steps - 1], time.perf_counter() - started
+
   def decode_torch(steps: int) -> tuple[list[int], list[np.ndarray], float]:
     with reference.torch.no_grad():
       logits = reference(prompt, 0)
@@ -438,6 +456,11 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
     same = next((i for i, (a, b) in enumerate(zip(resident_tokens, ours_tokens)) if a != b), len(resident_tokens))
     print(f"SmolLM2 decode ({mode}, fed back on the device): greedy tokens identical to the logits path's for {same} "
           f"of {len(resident_tokens)} steps", file=sys.stderr)
+    stream_resident(model, 2)
+    streamed_tokens, _ = stream_resident(model, args.decode_tokens)
+    same = next((i for i, (a, b) in enumerate(zip(streamed_tokens, ours_tokens)) if a != b), len(streamed_tokens))
+    print(f"SmolLM2 decode ({mode}, streamed one step ahead): greedy tokens identical to the logits path's for {same} "
+          f"of {len(streamed_tokens)} steps", file=sys.stderr)
     greedy.append(mode)
   working: list[str] = []
   greedy: list[str] = []   # fixed-shape modes whose `decode_greedy` rows are timed too
@@ -447,13 +470,14 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
   # timed runs interleaved (torch, llama.cpp, then each mode, `iters` times): a load that changes during the run (a
   # shared CPU) hits every column alike; only the decode loop is timed, not the prompt before it
   seconds: dict[str, list[float]] = {mode: [] for mode in ["torch", "llama.cpp"] + working}
-  seconds.update({f"{mode}{how}": [] for mode in greedy for how in (ON_DEVICE, FED_BACK)})
+  seconds.update({f"{mode}{how}": [] for mode in greedy for how in GREEDY_WAYS})
   for _ in range(args.iters):
     seconds["torch"].append(decode_torch(args.decode_tokens)[2])
     if anchor_command: seconds["llama.cpp"].append(llama_cpp_seconds(anchor_command, args.decode_tokens))
     for mode in working: seconds[mode].append(decode_ours(models[mode], args.decode_tokens)[2])
     for mode in greedy:
       seconds[f"{mode}{ON_DEVICE}"].append(decode_greedy_ours(models[mode], args.decode_tokens)[1])
+      seconds[f"{mode}{STREAMED}"].append(stream_resident(models[mode], args.decode_tokens)[1])
       seconds[f"{mode}{FED_BACK}"].append(generate_resident(models[mode], args.decode_tokens)[1])
   theirs = args.decode_tokens / statistics.median(seconds["torch"])
   anchor = ""
@@ -461,7 +485,7 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
     anchor = f"{args.decode_tokens / statistics.median(seconds['llama.cpp']):.2f} (Q4_1 file, -t {args.threads})"
     print(f"llama.cpp: {' '.join(anchor_command)}; tokens/s of each run "
           f"{[round(args.decode_tokens / s, 2) for s in seconds['llama.cpp']]}", file=sys.stderr)
-  for mode in working + [f"{mode}{how}" for mode in greedy for how in (ON_DEVICE, FED_BACK)]:
+  for mode in working + [f"{mode}{how}" for mode in greedy for how in GREEDY_WAYS]:
     ours = args.decode_tokens / statistics.median(seconds[mode])
     add_row(rows, (f"SmolLM2 decode, batch 1, {args.decode_tokens} tokens, TinyJit {mode}", "tokens/s", f"{ours:.2f}",
                    f"{theirs:.2f}") + ((anchor,) if anchor else ()))
