@@ -308,6 +308,17 @@ def decode_kernel_table(label: str, model: Llama) -> None:
     print(f"  {name:<28} {launches:>9} {written:>8} {moved:>12,}  {reads}", file=sys.stderr)
 
 
+def captured_steps(model: Llama) -> str:
+  """The kernels and bytes of each captured decode step of `model` (logits, argmax on the device, fed back): two
+  scripts timing the "same" step can check that they replay the same kernels."""
+  def describe(jit) -> str:
+    if jit.captured is None: return "not captured"
+    items = jit.captured.items
+    return f"{len(items)} kernels, {sum(item.runner.byte_count for item in items) / 1e6:.1f} MB"
+  return ", ".join(f"{name} {describe(jit)}" for name, jit in (("logits", model._decode_jit), ("argmax",
+                   model._greedy_jit), ("fed back", model._resident_jit)))
+
+
 # the ways to step of the greedy rows: the id read back each step (blocking), each step's ids streamed to the host while
 # the next step runs (`stream_greedy`: examples/llm.py's path), or the steps fed back and the ids read once at the end
 ON_DEVICE, STREAMED, FED_BACK = ", argmax on the device", ", streamed one step ahead", ", fed back on the device"
@@ -480,6 +491,7 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
       seconds[f"{mode}{STREAMED}"].append(stream_resident(models[mode], args.decode_tokens)[1])
       seconds[f"{mode}{FED_BACK}"].append(generate_resident(models[mode], args.decode_tokens)[1])
   theirs = args.decode_tokens / statistics.median(seconds["torch"])
+  for mode in greedy: print(f"captured steps ({mode}): {captured_steps(models[mode])}", file=sys.stderr)
   anchor = ""
   if anchor_command:
     anchor = f"{args.decode_tokens / statistics.median(seconds['llama.cpp']):.2f} (Q4_1 file, -t {args.threads})"

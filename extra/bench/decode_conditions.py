@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's ourgrad
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_models import TorchLlama, random_llama_weights  # noqa: E402
+from bench_models import TorchLlama, captured_steps, random_llama_weights  # noqa: E402
 from profile_models import random_weight_llama  # noqa: E402
 
 from ourgrad import Device, Tensor, dtypes  # noqa: E402
@@ -131,6 +131,8 @@ def main() -> None:
     for step in range(args.steps): ids = model.decode_greedy(ids, [start + step])
     return ids
   for run in (fed_back, token_loop): run(), run()   # compile and capture
+  model.decode(5, start).numpy(), model.decode(5, start).numpy()
+  print(f"captured steps: {captured_steps(model)}")
   print(f"decode {args.weights}, {args.steps} steps, {args.rounds} rounds a condition; SM clock now "
         f"{clock.sm_mhz()} MHz; gc thresholds {gc.get_threshold()}, objects tracked {len(gc.get_objects())}")
   for name in args.conditions.split(","):
