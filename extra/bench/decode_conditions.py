@@ -8,7 +8,10 @@ Conditions (each runs before every timed run of `--steps` steps; the timed runs 
 - idle: the GPU left idle for `--idle` seconds first (bench_models.py's PyTorch rows leave it mostly idle);
 - torch: a few PyTorch eager decode steps of a TorchLlama resident on the same GPU (what bench_models.py interleaves);
 - gc-off: "prefill" with Python's cyclic collector disabled during the timed run;
-- resident: bench_models.py's float32 fixed-shape and symbolic models built and captured beside this one.
+- resident: bench_models.py's float32 fixed-shape and symbolic models built and captured beside this one;
+- torch-import, torch-cuda, torch-side-stream, torch-kernels: PyTorch imported; its CUDA state made; a few of its
+  kernels on a stream of its own; a few on its default (the legacy) stream.
+PyTorch's state persists: a condition after one of them runs beside it.
 For each: tokens/s of the steps fed back on the device (`generate_greedy`) and with the token read on the host each
 step (`decode_greedy`), the SM clock (NVML) right before and right after the timed runs, and the cyclic collections
 (count, ms) that ran inside them.
@@ -70,6 +73,19 @@ class Collections:
       self.seconds += time.perf_counter() - self.started
 
 
+def create_streams_with(flags: int) -> None:
+  """Make the CUDA device (not opened yet) create its stream with `flags` (an A/B of the stream's kind)."""
+  from ourgrad.runtime import ops_cuda
+  real = ops_cuda.driver
+
+  class Driver:
+    def __getattr__(self, name: str) -> Any: return getattr(real, name)
+
+    @staticmethod
+    def cuStreamCreate(_: int) -> Any: return real.cuStreamCreate(flags)
+  ops_cuda.driver = Driver()
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--weights", default="q8_0", choices=("float32", "bfloat16", "float16", "q8_0"))
@@ -80,9 +96,12 @@ def main() -> None:
   parser.add_argument("--conditions", default="alone,prefill,idle,torch,alone,gc-off,resident,alone")
   parser.add_argument("--device", default="CUDA")
   parser.add_argument("--layers", type=int, default=0)
+  parser.add_argument("--stream-flags", type=int, help="CUDA: create ourgrad's stream with these cuStreamCreate flags "
+                      "(1: CU_STREAM_NON_BLOCKING, no implicit order with the legacy default stream PyTorch uses)")
   args = parser.parse_args()
   args.device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = args.device
+  if args.stream_flags is not None: create_streams_with(args.stream_flags)
   args.sequences, args.context = 1, 520
   model = random_weight_llama(args)
   device, clock, collections = Device[args.device], Clock(), Collections()
@@ -120,9 +139,30 @@ def main() -> None:
       for step in range(3): other.decode(5, start + step).numpy()
       others.append(other)
 
+  def torch_module() -> Any:
+    import torch
+    return torch
+
+  def torch_cuda() -> None:   # PyTorch's CUDA state made (its runtime retains the same primary context), no kernel
+    torch = torch_module()
+    if torch_device == "cuda": torch.cuda.init(), torch.cuda.synchronize()
+
+  def torch_kernels(side_stream: bool) -> None:
+    """A few PyTorch kernels on its default stream (CUDA's legacy stream) or on a stream of its own."""
+    torch = torch_module()
+    x = torch.ones(1 << 16, device=torch_device)
+    stream = torch.cuda.Stream() if side_stream and torch_device == "cuda" else None
+    if stream is not None:
+      with torch.cuda.stream(stream):
+        for _ in range(8): x.add_(1)
+    else:
+      for _ in range(8): x.add_(1)
+    if torch_device == "cuda": torch.cuda.synchronize()
+
   befores: dict[str, Callable[[], None]] = {
     "alone": lambda: None, "prefill": prefill, "idle": lambda: time.sleep(args.idle), "torch": torch_steps,
-    "gc-off": prefill, "resident": resident}
+    "gc-off": prefill, "resident": resident, "torch-import": torch_module, "torch-cuda": torch_cuda,
+    "torch-side-stream": lambda: torch_kernels(True), "torch-kernels": lambda: torch_kernels(False)}
 
   def fed_back() -> list[int]: return model.generate_greedy(5, start, args.steps)[0]
 
@@ -148,7 +188,7 @@ def main() -> None:
         if name == "gc-off": gc.disable()
         collections.active = True
         started = time.perf_counter()
-        run()
+        ids = run()
         seconds = time.perf_counter() - started
         collections.active = False
         gc.enable()
@@ -157,7 +197,7 @@ def main() -> None:
     print(f"{name:>8}: fed back {statistics.median(rates['fed back']):7.1f} tok/s "
           f"{[round(r) for r in rates['fed back']]}, token {statistics.median(rates['token']):7.1f} tok/s "
           f"{[round(r) for r in rates['token']]}; SM MHz before/after {clocks}; gc {collections.count} runs "
-          f"{collections.seconds * 1e3:.2f} ms", flush=True)
+          f"{collections.seconds * 1e3:.2f} ms; last ids {ids[-3:]}", flush=True)
 
 
 if __name__ == "__main__":
