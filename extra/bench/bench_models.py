@@ -623,6 +623,12 @@ def main() -> None:
     parser.error(f"--weights: unknown {', '.join(unknown)} (known: {', '.join(WEIGHTS)})")
   args.device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = args.device  # the models' own tensors (BertEncoder's layers) are made on the default device
+  # ourgrad's device opens before PyTorch loads: a host device sets its OpenMP wait policy (runtime/openmp.py) in the
+  # environment when it opens, and libgomp reads it once, when it loads. PyTorch's wheel brings a libgomp.so.1 of
+  # its own, which ourgrad's kernels then share (same soname): imported first, it read no policy and spins ~300k
+  # times between regions, what a user of ourgrad alone never runs (SmolLM2 stored on the 2-core CPU at load ~13:
+  # ~0.7 tokens/s against ~9 without PyTorch, extra/bench/results/dec_host_s20/)
+  Device[args.device]
   import torch
   torch_device = "cuda" if args.device == "CUDA" else "cpu"
   if threads and torch_device == "cpu": torch.set_num_threads(threads)
