@@ -9,8 +9,9 @@ Conditions (each runs before every timed run of `--steps` steps; the timed runs 
 - torch: a few PyTorch eager decode steps of a TorchLlama resident on the same GPU (what bench_models.py interleaves);
 - gc-off: "prefill" with Python's cyclic collector disabled during the timed run;
 - resident: bench_models.py's float32 fixed-shape and symbolic models built and captured beside this one;
-- torch-import, torch-cuda, torch-side-stream, torch-kernels: PyTorch imported; its CUDA state made; a few of its
-  kernels on a stream of its own; a few on its default (the legacy) stream.
+- torch-import, torch-cuda, torch-alloc, torch-side-stream, torch-kernels: PyTorch imported; its CUDA state made;
+  memory from its allocator (no kernel); a few of its kernels on a stream of its own; a few on its default (legacy)
+  stream.
 PyTorch's state persists: a condition after one of them runs beside it.
 For each: tokens/s of the steps fed back on the device (`generate_greedy`) and with the token read on the host each
 step (`decode_greedy`), the SM clock (NVML) right before and right after the timed runs, and the cyclic collections
@@ -159,10 +160,17 @@ def main() -> None:
       for _ in range(8): x.add_(1)
     if torch_device == "cuda": torch.cuda.synchronize()
 
+  def torch_alloc() -> None:   # device memory from PyTorch's caching allocator (cudaMalloc), no kernel
+    torch = torch_module()
+    allocations.append(torch.empty(1 << 20, device=torch_device))
+    if torch_device == "cuda": torch.cuda.synchronize()
+  allocations: list[Any] = []
+
   befores: dict[str, Callable[[], None]] = {
     "alone": lambda: None, "prefill": prefill, "idle": lambda: time.sleep(args.idle), "torch": torch_steps,
     "gc-off": prefill, "resident": resident, "torch-import": torch_module, "torch-cuda": torch_cuda,
-    "torch-side-stream": lambda: torch_kernels(True), "torch-kernels": lambda: torch_kernels(False)}
+    "torch-side-stream": lambda: torch_kernels(True), "torch-kernels": lambda: torch_kernels(False),
+    "torch-alloc": torch_alloc}
 
   def fed_back() -> list[int]: return model.generate_greedy(5, start, args.steps)[0]
 
