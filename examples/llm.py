@@ -41,6 +41,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+STARTED = time.perf_counter()  # the process's start (before ourgrad's import), for "first output after ... s"
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere: find extra/
 
 from ourgrad import Device, GlobalCounters  # noqa: E402
@@ -51,8 +53,6 @@ from extra.models.generate import DEFAULT_SYSTEM, ChatModel, Sampler, chatml, sm
 from extra.models.llama import WEIGHT_DTYPES, Llama  # noqa: E402
 
 CHAT_CONTEXT = 1024  # the KV cache of an interactive chat, in tokens (--max-context)
-
-STARTED = time.perf_counter()  # the process's start, for "first output after ... s"
 
 
 class Ticker:
@@ -113,7 +113,9 @@ def stream(chat: ChatModel, text: str, sampler: Sampler, max_tokens: int, fresh:
     print(flush=True)
     return stats
   stats.first_token_s = time.perf_counter() - started
-  if first_reply: print(f"[first output {time.perf_counter() - STARTED:.1f} s after start]", file=sys.stderr)
+  if first_reply:   # CPU seconds of the whole process (compile threads too): what a loaded machine does not inflate
+    print(f"[first output {time.perf_counter() - STARTED:.1f} s after start, {time.process_time():.1f} s of CPU]",
+          file=sys.stderr)
   print(first, end="", flush=True)
   first_at = last_at = time.perf_counter()
   gaps = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 import sys
 from typing import Any, Iterator
 
@@ -47,6 +48,8 @@ def test_stream_counts_every_token(capsys: pytest.CaptureFixture[str]) -> None:
   assert out.out == "The capital is Paris.\n"
   assert "[6 tokens; first after" in out.err and "then 5 in" in out.err and "first output" in out.err
   assert "; steady " in out.err   # the median pace between tokens, beside the rate that counts every one
+  # the first output's time counts from before ourgrad's import (the module's start), beside the process's CPU time
+  assert re.search(r"\[first output \d+\.\d s after start, \d+\.\d s of CPU\]", out.err), out.err
 
 
 def test_batch_answers_each_prompt_fresh(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,9 +6,11 @@ lookup moves, ourgrad beside PyTorch eager on the same device in one run.
   the host (both libraries pick the next token there). ourgrad's steps
   run through one TinyJit capture: "symbolic" takes the position as a bound Variable (attention reads
   cache[:, :pos + 1]); "fixed shapes" passes it as host-made inputs (a mask over the whole cache), which a CUDA
-  graph can replay. Two more rows per fixed-shape mode: `Llama.decode_greedy` (the argmax taken on the device, each
-  step reading back one id instead of the logits: what a caller that only needs ids pays) and
-  `Llama.generate_greedy` (the steps fed back on the device, launched back to back, the ids read once at the end).
+  graph can replay. Three more rows per fixed-shape mode: `Llama.decode_greedy` (the argmax taken on the device, each
+  step reading back one id instead of the logits: what a caller that only needs ids pays), `Llama.stream_greedy`
+  (the steps fed back on the device, each step's id on the host as it finishes, the host one step ahead: what
+  examples/llm.py's greedy replies run) and `Llama.generate_greedy` (the steps fed back on the device, launched back
+  to back, the ids read once at the end).
 - SmolLM2 prefill: seconds to run a `--prefill`-token prompt to the first token's logits (kernels compiled before):
   eager (scheduled each time, from the schedule cache), through the TinyJit Llama keeps per prompt bucket (the same
   length run before: a replay), and prompts of lengths never run before in that bucket (padded to it, replayed:
@@ -306,14 +308,28 @@ def decode_kernel_table(label: str, model: Llama) -> None:
     print(f"  {name:<28} {launches:>9} {written:>8} {moved:>12,}  {reads}", file=sys.stderr)
 
 
-ON_DEVICE, FED_BACK = ", argmax on the device", ", fed back on the device"   # the --batch rows' ways to step
+def captured_steps(model: Llama) -> str:
+  """The kernels and bytes of each captured decode step of `model` (logits, argmax on the device, fed back): two
+  scripts timing the "same" step can check that they replay the same kernels."""
+  def describe(jit) -> str:
+    if jit.captured is None: return "not captured"
+    items = jit.captured.items
+    return f"{len(items)} kernels, {sum(item.runner.byte_count for item in items) / 1e6:.1f} MB"
+  return ", ".join(f"{name} {describe(jit)}" for name, jit in (("logits", model._decode_jit), ("argmax",
+                   model._greedy_jit), ("fed back", model._resident_jit)))
+
+
+# the ways to step of the greedy rows: the id read back each step (blocking), each step's ids streamed to the host while
+# the next step runs (`stream_greedy`: examples/llm.py's path), or the steps fed back and the ids read once at the end
+ON_DEVICE, STREAMED, FED_BACK = ", argmax on the device", ", streamed one step ahead", ", fed back on the device"
+GREEDY_WAYS = (ON_DEVICE, STREAMED, FED_BACK)
 
 
 def batch_decode_row(args: argparse.Namespace, config: LlamaConfig, weights: dict, kind: str, max_context: int,
-                     prompt: list[int], torch_tokens: list[int], rows: list[Row]) -> None:
+                     prompt: list[int], batch1_tokens: list[int], rows: list[Row]) -> None:
   """The `--batch` row: `args.batch` sequences decoded together (fixed shapes), each prefilled into its cache row
-  (sequence 0 with the batch-1 prompt, whose greedy tokens are checked against PyTorch's), `--decode-tokens` steps;
-  tokens/s counts every sequence's tokens."""
+  (sequence 0 with the batch-1 prompt, whose greedy tokens are checked against the batch-1 fixed-shape float32
+  decode's, which are checked against PyTorch's), `--decode-tokens` steps; tokens/s counts every sequence's tokens."""
   model = Llama(config, weights, max_context, symbolic=False, packed=kind in ("q8_0", "stored"),
                 sequences=args.batch)
   rng = np.random.default_rng(1)
@@ -322,7 +338,8 @@ def batch_decode_row(args: argparse.Namespace, config: LlamaConfig, weights: dic
 
   def run(steps: int, how: str) -> tuple[list[int], float]:
     """(sequence 0's greedy tokens, seconds of the decode steps alone): the logits read back ("") or the argmax on
-    the device (`decode_greedy`) each step, or the steps fed back on the device (`generate_greedy`)."""
+    the device (`decode_greedy`) each step, each step's ids streamed (`stream_greedy`), or the steps fed back on the
+    device (`generate_greedy`)."""
     logits = np.stack([model(Tensor([p], dtype=dtypes.int32, device=args.device), 0, sequence=row).numpy()[0]
                        for row, p in enumerate(prompts)])
     tokens = [int(t) for t in logits.argmax(-1)]
@@ -331,6 +348,9 @@ def batch_decode_row(args: argparse.Namespace, config: LlamaConfig, weights: dic
     if how == FED_BACK:
       generated = model.generate_greedy(tokens, [len(p) for p in prompts], steps)
       return [tokens[0]] + generated[0][:steps - 1], time.perf_counter() - started
+    if how == STREAMED:
+      streamed = [ids[0] for ids in model.stream_greedy(tokens, [len(p) for p in prompts], steps)]
+      return [tokens[0]] + streamed[:steps - 1], time.perf_counter() - started
     on_device = how == ON_DEVICE
     for step in range(steps):
       first.append(tokens[0])
@@ -338,12 +358,12 @@ def batch_decode_row(args: argparse.Namespace, config: LlamaConfig, weights: dic
       if on_device: tokens = model.decode_greedy(tokens, positions)
       else: tokens = [int(t) for t in model.decode(tokens, positions).numpy().argmax(-1)]
     return first, time.perf_counter() - started
-  for how in ("", ON_DEVICE, FED_BACK):
+  for how in ("",) + GREEDY_WAYS:
     run(2, how)
     first, _ = run(args.decode_tokens, how)
-    same = next((i for i, (a, b) in enumerate(zip(first, torch_tokens)) if a != b), len(first))
+    same = next((i for i, (a, b) in enumerate(zip(first, batch1_tokens)) if a != b), len(first))
     print(f"SmolLM2 decode, batch {args.batch} ({kind} weights{how}): sequence 0's greedy tokens identical to "
-          f"PyTorch's batch-1 decode for {same} of {len(first)} steps", file=sys.stderr)
+          f"the batch-1 fixed-shape float32 decode's for {same} of {len(first)} steps", file=sys.stderr)
     if args.kernels and not how: decode_kernel_table(f"batch {args.batch}, {kind} weights", model)
     seconds = statistics.median(run(args.decode_tokens, how)[1] for _ in range(args.iters))
     label = f"SmolLM2 decode, batch {args.batch} sequences, {args.decode_tokens} tokens each, TinyJit fixed shapes" \
@@ -358,7 +378,6 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
   rng = np.random.default_rng(0)
   prompt = [int(t) for t in rng.integers(100, config.vocab_size, 8)]
   max_context = max(args.prefill, len(prompt) + args.decode_tokens) + 8
-  reference = TorchLlama(config, weights, torch_device, max_context)
   device_weights = {name: Tensor(value, device=args.device) for name, value in weights.items()}
   Tensor.realize_all(*device_weights.values())
   models = {mode: Llama(config, device_weights, max_context, symbolic=mode == "symbolic")
@@ -371,7 +390,6 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
       variants[kind] = variant
       models[f"fixed shapes, {kind} weights"] = Llama(config, variant, max_context, symbolic=False,
                                                       packed=kind in ("q8_0", "stored"))
-  del weights
   anchor_command = llama_cpp_command(args)
 
   def decode_ours(model: Llama, steps: int) -> tuple[list[int], list[np.ndarray], float]:
@@ -404,6 +422,15 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
     generated = model.generate_greedy(first, len(prompt), steps)[0]
     return [first] + generated[:steps - 1], time.perf_counter() - started
 
+  def stream_resident(model: Llama, steps: int) -> tuple[list[int], float]:
+    """(greedy tokens, seconds of the decode steps alone) streamed to the host one step ahead (`stream_greedy`, what
+    examples/llm.py runs): each step's id on the host as it finishes, in order."""
+    logits = model(Tensor([prompt], dtype=dtypes.int32, device=args.device), 0).numpy()[0]
+    first = int(logits.argmax())
+    started = time.perf_counter()
+    streamed = [ids[0] for ids in model.stream_greedy(first, len(prompt), steps)]
+    return [first] + streamed[:steps - 1], time.perf_counter() - started
+
   def decode_torch(steps: int) -> tuple[list[int], list[np.ndarray], float]:
     with reference.torch.no_grad():
       logits = reference(prompt, 0)
@@ -415,17 +442,12 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
         all_logits.append(logits)
     return tokens, all_logits, time.perf_counter() - started
 
-  theirs_tokens, theirs_logits, _ = decode_torch(args.decode_tokens)  # also the warm-up
-
   def check_mode(mode: str, model: Llama) -> None:
-    """Agreement with torch; the runs also compile, capture and warm ourgrad's steps up."""
+    """Each greedy way's tokens against the logits path's (kept for the check against PyTorch's after the timings);
+    the runs also compile, capture and warm ourgrad's steps up."""
     decode_ours(model, 2)
     ours_tokens, ours_logits, _ = decode_ours(model, args.decode_tokens)
-    same = next((i for i, (a, b) in enumerate(zip(ours_tokens, theirs_tokens)) if a != b), len(ours_tokens))
-    steps = min(4, len(ours_logits))
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(ours_logits[:steps], theirs_logits[:steps]))
-    print(f"SmolLM2 decode ({mode}): max |ourgrad - torch| of the logits of the prompt and first {steps - 1} steps "
-          f"= {diff:.2e}; greedy tokens identical for {same} of {len(ours_tokens)} steps", file=sys.stderr)
+    decoded[mode] = (ours_tokens, ours_logits)
     working.append(mode)
     if model.symbolic: return
     decode_greedy_ours(model, 2)
@@ -438,38 +460,63 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
     same = next((i for i, (a, b) in enumerate(zip(resident_tokens, ours_tokens)) if a != b), len(resident_tokens))
     print(f"SmolLM2 decode ({mode}, fed back on the device): greedy tokens identical to the logits path's for {same} "
           f"of {len(resident_tokens)} steps", file=sys.stderr)
+    stream_resident(model, 2)
+    streamed_tokens, _ = stream_resident(model, args.decode_tokens)
+    same = next((i for i, (a, b) in enumerate(zip(streamed_tokens, ours_tokens)) if a != b), len(streamed_tokens))
+    print(f"SmolLM2 decode ({mode}, streamed one step ahead): greedy tokens identical to the logits path's for {same} "
+          f"of {len(streamed_tokens)} steps", file=sys.stderr)
     greedy.append(mode)
   working: list[str] = []
   greedy: list[str] = []   # fixed-shape modes whose `decode_greedy` rows are timed too
+  decoded: dict[str, tuple[list[int], list[np.ndarray]]] = {}   # each mode's tokens and logits
   for mode, model in models.items(): guarded(f"SmolLM2 decode ({mode})", rows, lambda: check_mode(mode, model))
   if args.kernels:
     for mode in working: decode_kernel_table(mode, models[mode])
-  # timed runs interleaved (torch, llama.cpp, then each mode, `iters` times): a load that changes during the run (a
-  # shared CPU) hits every column alike; only the decode loop is timed, not the prompt before it
+  # timed runs interleaved (llama.cpp, then each mode, `iters` times): a load that changes during the run (a shared
+  # CPU) hits every column alike; only the decode loop is timed, not the prompt before it. PyTorch's runs come after
+  # all of ours (and after the batch rows): once a PyTorch kernel has run in the process, ourgrad's decode steps on
+  # the H200 run ~10% slower for the rest of it (`decode_conditions.py`: from its first kernel on, on any stream, its
+  # import or CUDA state alone costs nothing), which a user of ourgrad alone does not pay
   seconds: dict[str, list[float]] = {mode: [] for mode in ["torch", "llama.cpp"] + working}
-  seconds.update({f"{mode}{how}": [] for mode in greedy for how in (ON_DEVICE, FED_BACK)})
+  seconds.update({f"{mode}{how}": [] for mode in greedy for how in GREEDY_WAYS})
   for _ in range(args.iters):
-    seconds["torch"].append(decode_torch(args.decode_tokens)[2])
     if anchor_command: seconds["llama.cpp"].append(llama_cpp_seconds(anchor_command, args.decode_tokens))
     for mode in working: seconds[mode].append(decode_ours(models[mode], args.decode_tokens)[2])
     for mode in greedy:
       seconds[f"{mode}{ON_DEVICE}"].append(decode_greedy_ours(models[mode], args.decode_tokens)[1])
+      seconds[f"{mode}{STREAMED}"].append(stream_resident(models[mode], args.decode_tokens)[1])
       seconds[f"{mode}{FED_BACK}"].append(generate_resident(models[mode], args.decode_tokens)[1])
+  for mode in greedy: print(f"captured steps ({mode}): {captured_steps(models[mode])}", file=sys.stderr)
+  batch_rows: list[Row] = []   # in the table after the batch-1 rows
+  if args.batch > 1 and "fixed shapes" in decoded:
+    for kind, variant in variants.items():
+      guarded(f"SmolLM2 decode, batch {args.batch} ({kind})", batch_rows,
+              lambda: batch_decode_row(args, config, variant, kind, max_context, prompt, decoded["fixed shapes"][0],
+                                       batch_rows))
+
+  reference = TorchLlama(config, weights, torch_device, max_context)
+  del weights
+  theirs_tokens, theirs_logits, _ = decode_torch(args.decode_tokens)  # also the warm-up
+  for mode in working:
+    ours_tokens, ours_logits = decoded[mode]
+    same = next((i for i, (a, b) in enumerate(zip(ours_tokens, theirs_tokens)) if a != b), len(ours_tokens))
+    steps = min(4, len(ours_logits))
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(ours_logits[:steps], theirs_logits[:steps]))
+    print(f"SmolLM2 decode ({mode}): max |ourgrad - torch| of the logits of the prompt and first {steps - 1} steps "
+          f"= {diff:.2e}; greedy tokens identical to PyTorch's for {same} of {len(ours_tokens)} steps", file=sys.stderr)
+  for _ in range(args.iters): seconds["torch"].append(decode_torch(args.decode_tokens)[2])
   theirs = args.decode_tokens / statistics.median(seconds["torch"])
   anchor = ""
   if anchor_command:
     anchor = f"{args.decode_tokens / statistics.median(seconds['llama.cpp']):.2f} (Q4_1 file, -t {args.threads})"
     print(f"llama.cpp: {' '.join(anchor_command)}; tokens/s of each run "
           f"{[round(args.decode_tokens / s, 2) for s in seconds['llama.cpp']]}", file=sys.stderr)
-  for mode in working + [f"{mode}{how}" for mode in greedy for how in (ON_DEVICE, FED_BACK)]:
+  for mode in working + [f"{mode}{how}" for mode in greedy for how in GREEDY_WAYS]:
     ours = args.decode_tokens / statistics.median(seconds[mode])
     add_row(rows, (f"SmolLM2 decode, batch 1, {args.decode_tokens} tokens, TinyJit {mode}", "tokens/s", f"{ours:.2f}",
                    f"{theirs:.2f}") + ((anchor,) if anchor else ()))
+  rows.extend(batch_rows)
 
-  if args.batch > 1:
-    for kind, variant in variants.items():
-      guarded(f"SmolLM2 decode, batch {args.batch} ({kind})", rows,
-              lambda: batch_decode_row(args, config, variant, kind, max_context, prompt, theirs_tokens, rows))
 
   long_prompt = [int(t) for t in rng.integers(100, config.vocab_size, args.prefill)]
   model = models["fixed shapes"]
@@ -587,14 +634,21 @@ def main() -> None:
     parser.error(f"--weights: unknown {', '.join(unknown)} (known: {', '.join(WEIGHTS)})")
   args.device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = args.device  # the models' own tensors (BertEncoder's layers) are made on the default device
+  # ourgrad's device opens before PyTorch loads: a host device sets its OpenMP wait policy (runtime/openmp.py) in the
+  # environment when it opens, and libgomp reads it once, when it loads. PyTorch's wheel brings a libgomp.so.1 of
+  # its own, which ourgrad's kernels then share (same soname): imported first, it read no policy and spins ~300k
+  # times between regions, what a user of ourgrad alone never runs (SmolLM2 stored on the 2-core CPU at load ~13:
+  # ~0.7 tokens/s against ~9 without PyTorch, extra/bench/results/dec_host_s20/)
+  Device[args.device]
   import torch
   torch_device = "cuda" if args.device == "CUDA" else "cpu"
   if threads and torch_device == "cpu": torch.set_num_threads(threads)
   rows: list[Row] = []
   only = set(args.only or ("embedding", "minilm", "smollm2"))
   if "embedding" in only: guarded("embedding lookup", rows, lambda: bench_embedding_bytes(args, rows))
-  if "minilm" in only: guarded("MiniLM", rows, lambda: bench_minilm(args, torch_device, rows))
+  # SmolLM2 before MiniLM: its decode rows are timed before any PyTorch kernel runs (bench_smollm2)
   if "smollm2" in only: guarded("SmolLM2", rows, lambda: bench_smollm2(args, torch_device, rows))
+  if "minilm" in only: guarded("MiniLM", rows, lambda: bench_minilm(args, torch_device, rows))
   print(f"ourgrad on {args.device}, PyTorch {torch.__version__} on {torch_device} ({torch.get_num_threads()} CPU "
         f"threads), {'random' if args.random_weights else 'real'} weights")
   header: Row = ("workload", "unit", "ourgrad", "PyTorch") + (("llama.cpp",) if any(len(r) > 4 for r in rows) else ())
