@@ -31,13 +31,15 @@ class RowPasses:
   vocabulary row at half the copy rate) with no guard; the iterations left over (fewer than `loop_units`, and the one
   past the row's end when the row's units are not a multiple of T, under an IF) follow, unrolled.
   `end` (a Node of bound Variables, codegen/bounded_loops.py `row_end`): the row's elements from `end` on add nothing
-  to its reduces, so the loop stops at the round holding it and an unrolled round that may start at or past it runs
-  under an IF that is the same for every thread of the block (a round: the T threads' units of one iteration)."""
+  to its reduces, so a persistent row's round (the T threads' units of one iteration) that may start at or past it
+  runs under an IF that is the same for every thread of the block. A looping row keeps its whole loop (a row that
+  long is split over kernels first: no decode row loops)."""
 
   def __init__(self, linearizer: BlockRowLinearizer, idxs: list[Node], thread: Node, threads: int, units: int,
                width: int, persistent: bool, end: Node | None = None):
     self.linearizer, self.idxs, self.thread, self.threads = linearizer, idxs, thread, threads
-    self.units, self.width, self.persistent, self.end = units, width, persistent, end
+    self.units, self.width, self.persistent = units, width, persistent
+    self.end = end if persistent else None
     self.per_thread = math.ceil(units / threads)
     # units an iteration of the loop: their loaded values live together (LOOP_REGISTER_UNITS float4s of registers)
     self.loop_units = max(1, LOOP_REGISTER_UNITS // register_units(1, width))
@@ -55,7 +57,7 @@ class RowPasses:
       full = self.units // self.threads   # iterations where every thread's unit is inside the row
       steps = full // self.loop_units
       if steps:
-        loop = linearizer._open_loop(name, steps, AxisType.REDUCE, self._loop_end(steps))
+        loop = linearizer._open_loop(name, steps, AxisType.REDUCE)
         step = Variable(name, 0, steps - 1)
         iterations = [step * self.loop_units + offset for offset in range(self.loop_units)]
         loads = _loads_under(reads or [])
@@ -85,16 +87,6 @@ class RowPasses:
     start = linearizer._int(number * self.threads * self.width)
     inside = linearizer.builder.alu(Ops.CMPLT, dtypes.bool, start, linearizer.node_to_uop(self.end))
     return linearizer.builder.add(UOps.IF, None, (inside,))
-
-  def _loop_end(self, steps: int) -> UOp | None:
-    """The loop's trip count where the row may end (`end`) before its last step: the steps that start before it."""
-    if self.end is None: return None
-    per_step = self.loop_units * self.threads * self.width
-    if (steps - 1) * per_step < self.end.min: return None
-    linearizer, build = self.linearizer, self.linearizer.builder
-    needed = linearizer.node_to_uop((self.end + (per_step - 1)) // per_step)
-    full = linearizer._int(steps)
-    return build.alu(Ops.WHERE, needed.dtype, build.alu(Ops.CMPLT, dtypes.bool, needed, full), needed, full)
 
   def _unit(self, iteration: Node, ragged: bool, element: Callable[[list[Node]], None] | None, store: bool,
             each_unit: Callable[[list[list[Node]]], None] | None) -> None:
