@@ -16,6 +16,7 @@ is the full loop's bit for bit where the kept factors are finite.
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ourgrad.codegen.uops import UOp
@@ -141,27 +142,28 @@ def _load_end(lin: Linearizer, valid: Node, index: Variable, size: int) -> tuple
 # thread diverges from the others' shuffles or barriers), so the work follows the bound: decode attention's rows
 # (scores, max, sum of exp, exp x V) over the cache slots in use, not over the whole fixed-shape cache.
 
-_ZERO, _NEG_INF, _FALSE = "zero", "-inf", "false"
+_ZERO, _NEG_INF, _FALSE, _NOT_FINITE = "zero", "-inf", "false", "not finite"
 
 
 def _past_bound(node: LazyOp, masked: set[int], memo: dict[int, str | None]) -> str | None:
   """What `node` is wherever the leaves `masked` (ids) read their mask's 0: 0, -inf or False, or None (a value taken
-  as finite, as the module docstring takes the kept factors: x + -inf is -inf). Other reduces' values (an element
-  reduce under a row reduce, the row's max under its sum of exp) are such values."""
+  as finite, as the module docstring takes the kept factors: x + -inf is -inf; a constant inf or NaN is not taken so).
+  Other reduces' values (an element reduce under a row reduce, the row's max under its sum of exp) are such values."""
   if id(node) in memo: return memo[id(node)]
   op, found = node.op, None
   if op in (Ops.LOAD, Ops.CONST) and id(node) in masked: found = _FALSE if node.dtype == dtypes.bool else _ZERO
   elif op is Ops.CONST and node.dtype != dtypes.bool and isinstance(node.arg.val, (int, float)):
-    found = _NEG_INF if node.arg.val == float("-inf") else _ZERO if node.arg.val == 0 else None
+    value = float(node.arg.val)
+    found = _NEG_INF if value == -math.inf else _ZERO if value == 0 else None if math.isfinite(value) else _NOT_FINITE
   elif op not in REDUCE_OPS and node.srcs:
     kinds = [_past_bound(src, masked, memo) for src in node.srcs]
     if op is Ops.WHERE: found = kinds[2] if kinds[0] == _FALSE else kinds[1] if kinds[1] == kinds[2] else None
     elif op is Ops.MUL:
-      if _ZERO in kinds and _NEG_INF not in kinds: found = _ZERO
+      if _ZERO in kinds and _NEG_INF not in kinds and _NOT_FINITE not in kinds: found = _ZERO
       elif kinds.count(_NEG_INF) == 1 and _positive_const(node.srcs[kinds.index(None)] if None in kinds else None):
         found = _NEG_INF
     elif op is Ops.ADD:
-      if _NEG_INF in kinds: found = _NEG_INF   # the other term finite (or -inf itself)
+      if _NEG_INF in kinds and _NOT_FINITE not in kinds: found = _NEG_INF   # the other term finite (or -inf)
       elif kinds == [_ZERO, _ZERO]: found = _ZERO
     elif op in (Ops.NEG, Ops.CAST) and node.dtype != dtypes.bool and kinds[0] == _ZERO: found = _ZERO
     elif op is Ops.EXP2 and kinds[0] == _NEG_INF: found = _ZERO

@@ -479,9 +479,7 @@ class BlockRowLinearizer(RowLinearizer):
     idxs: list[Node] = [NumNode(0)] * len(shape)
     for axis, node in zip(row_dims, unflatten(row, [shape[axis] for axis in row_dims])): idxs[axis] = node
     per_thread = math.ceil(register_units(units, width) / threads)
-    # rows whose reduces gain nothing past a Variable bound stop there (codegen/bounded_loops.py `row_end`)
-    end = row_end(kernel)
-    passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS, end=end)
+    passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
     # a group of one thread holds its row's reduce; larger groups combine by warp shuffles (no local memory)
     self._run_row_reduces(passes, lambda accumulator, reduce, number: accumulator if threads == 1 else
                           self._block_combine(accumulator, accumulate_op(reduce), thread, threads, number))
