@@ -151,7 +151,7 @@ def decode_workload(args: argparse.Namespace) -> tuple[TinyJit, Callable[[], Any
                                sequences=args.sequences)
   else:
     model = random_weight_llama(args)
-  tokens, positions = [5] * args.sequences, [8] * args.sequences
+  tokens, positions = [5] * args.sequences, [getattr(args, "position", 8)] * args.sequences
 
   def call() -> Any: return model.decode(tokens, positions).numpy()
   for _ in range(3): call()

@@ -133,16 +133,23 @@ def inverse_rms_per_output(x: Tensor, outputs: int, eps: float, row_layout: tupl
   return (squares.mean(tuple(range(2, squares.ndim))) + eps).rsqrt().reshape(*x.shape[:-1], outputs)
 
 
-def softmax_weighted_sum(scores: Tensor, values: Tensor) -> Tensor:
+def softmax_weighted_sum(scores: Tensor, values: Tensor, valid: Tensor | None = None) -> Tensor:
   """softmax(scores) @ values for scores (..., m, n) and values (..., n, d), with the softmax's max and sum computed
   in the product's loop shape (..., m, d, n): the product's kernel holds all three reduces over the same rows (a
   row kernel: max, then the sums of e = exp(s - max) and of e * v), recomputing max and sum beside each of the d
-  outputs, where a plain softmax is two kernels of its own before the product. For few rows (one query)."""
+  outputs, where a plain softmax is two kernels of its own before the product. For few rows (one query).
+  `valid` (bool, broadcastable to (..., m, n)): the scores where it is False are -inf (left out), applied in the row
+  kernel itself (on the scores it would be the scores kernel's output): a `valid` that is a mask of a bound Variable
+  (the slots in use) lets the row kernel's rounds end there (codegen/bounded_loops.py `row_end`)."""
   rows = scores.unsqueeze(-2).expand(*scores.shape[:-1], values.shape[-1], scores.shape[-1])  # (..., m, d, n)
+  if valid is not None: rows = valid.unsqueeze(-2).where(rows, -math.inf)
   exps = (rows - rows.max(-1, keepdim=True)).exp()
   weighted = (exps * values.transpose(-1, -2).unsqueeze(-3)).sum(-1)
   return (weighted / exps.sum(-1)).contiguous()   # stored by this kernel: a reader's kernel would refuse its reduces
 
+
+# a GPU decode step's slots in use (the `used` Variable) are bound in steps of this many slots (Llama.used_granule)
+USED_GRANULE = 32
 
 # decode attention over the whole cache (fixed shapes) in this many chunks of slots (`split_softmax_weighted_sum`),
 # where the scores are computed inside the row kernel (ELEMENT_REDUCES); 0: one row kernel over all slots
@@ -437,19 +444,26 @@ class LlamaBlock:
     # shrink, not indexing: Python slices cannot hold a symbolic bound
     sequences = x.shape[0]
     keys, values = keys.shrink((None, (0, visible), None, None)), values.shrink((None, (0, visible), None, None))
-    if used is not None:   # zeros past the slots in use (read as the mask's 0s, not loaded): the shape stays fixed
+    # (S, kv, group, hd); a symbolic row length is no row kernel's: there (and on a CPU) the plain softmax, two kernels
+    fused = isinstance(visible, int) and self.recompute_rows
+    if used is not None and not fused:   # zeros past the slots in use (read as the mask's 0s, not loaded): the shape
+      # stays fixed. (The GPU's fused path masks the scores instead: a pad of the cache-write's `where` would be stored)
       unused = (None, (0, self.cache.shape[1] - used), None, None)
       keys = keys.shrink((None, (0, used), None, None)).pad(unused)
       values = values.shrink((None, (0, used), None, None)).pad(unused)
     keys, values = keys.permute(0, 2, 3, 1), values.permute(0, 2, 1, 3)  # (S, kv, hd, visible), (S, kv, visible, hd)
     scores = q.reshape(sequences, kv_heads, group, head_dim) @ keys * (1.0 / math.sqrt(head_dim))  # (S, kv, g, vis)
     if mask is not None: scores = scores + mask.reshape(sequences, 1, 1, -1)
-    # (S, kv, group, hd); a symbolic row length is no row kernel's: there (and on a CPU) the plain softmax, two kernels
-    fused = isinstance(visible, int) and self.recompute_rows
     chunks = int(ATTENTION_CHUNKS.value)
     if fused and ELEMENT_REDUCES.value and chunks > 1 and visible % chunks == 0:
       attended = split_softmax_weighted_sum(scores, values, chunks)
-    else: attended = softmax_weighted_sum(scores, values) if fused else scores.softmax(-1) @ values
+    elif fused:
+      # the slots past those in use left out by a mask of the Variable (not by the host-made mask's values): the
+      # softmax's terms there are then provably nothing, so the row kernel's rounds end at `used` (bounded_loops.py)
+      inside = None if used is None else \
+        Tensor.ones(used, dtype=dtypes.bool, device=scores.device).pad(((0, self.cache.shape[1] - used),))
+      attended = softmax_weighted_sum(scores, values, inside)
+    else: attended = scores.softmax(-1) @ values
     return self._feed_forward(x, attended.reshape(sequences, 1, config.dim))
 
 
@@ -470,10 +484,14 @@ class Llama:
     self.device = self.embedding.device
     self.symbolic = symbolic
     self.position = Variable("position", 0, max_context - 1)
-    # fixed shapes on a host device: the slots in use (every sequence's position + 1 at most), bound at each step so
-    # that attention's loops end there (`LlamaBlock.decode`); a GPU reads the whole cache (one graph launch a step)
+    # fixed shapes: the slots in use (every sequence's position + 1 at most), bound at each step so that attention's
+    # loops end there (`LlamaBlock.decode`: a host's reduce loops, a GPU's row rounds, codegen/bounded_loops.py)
     self.used = Variable("used", 1, max_context)
-    self.bounded_reads = not symbolic and not self.blocks[0].recompute_rows
+    self.bounded_reads = not symbolic
+    # a GPU's bound is rounded up to USED_GRANULE slots: a new value is a driver call per attention kernel of the
+    # step's CUDA graph (GraphReplay.set_var_vals), so it changes every USED_GRANULE steps, not at every one; the
+    # slots between the position and the bound are masked as before. A host's loops end at the position itself.
+    self.used_granule = USED_GRANULE if self.blocks[0].recompute_rows else 1
     self.slots = Tensor(np.arange(max_context, dtype=np.int32), device=self.device).realize()  # cache slot numbers
     vocab = self.output.shape[0]
     self.countdown = Tensor(np.arange(vocab, 0, -1, dtype=np.int32), device=self.device).realize()  # vocab - index
@@ -681,7 +699,11 @@ class Llama:
   def _resident_used(self, positions: list[int], step: int) -> Variable | None:
     """The slots in use at a fed-back run's `step` (`bounded_reads`): the positions advance by one a step, so the host
     knows them without reading the device."""
-    return self.used.bind(max(positions) + step + 1) if self.bounded_reads else None
+    return self._bind_used(max(positions) + step + 1) if self.bounded_reads else None
+
+  def _bind_used(self, slots: int) -> Variable:
+    """`used` bound to at least `slots` slots (rounded up to `used_granule`, at most the cache)."""
+    return self.used.bind(min(-(-slots // self.used_granule) * self.used_granule, self.max_context))
 
   def _start_resident(self, caller: str, token: int | Sequence[int], position: int | Sequence[int],
                       steps: int) -> list[int]:
@@ -742,7 +764,7 @@ class Llama:
                        "construct the model with symbolic=False for sequences at different positions")
     self._step_host[:, 0], self._step_host[:, 1] = tokens, positions
     bound = self.position.bind(positions[0]) if self.symbolic else \
-      self.used.bind(max(positions) + 1) if self.bounded_reads else None
+      self._bind_used(max(positions) + 1) if self.bounded_reads else None
     return self._upload_step(), bound
 
   def _upload_step(self) -> Tensor:

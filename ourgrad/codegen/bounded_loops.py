@@ -16,14 +16,16 @@ is the full loop's bit for bit where the kept factors are finite.
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ourgrad.codegen.uops import UOp
 from ourgrad.dtype import dtypes
-from ourgrad.ops import LazyOp, MemBuffer, Ops
+from ourgrad.ops import REDUCE_OPS, LazyOp, MemBuffer, Ops
 from ourgrad.shape.symbolic import AndNode, LtNode, Node, NumNode, Variable, is_symbolic, sym_and
 
 if TYPE_CHECKING:
+  from ourgrad.codegen.kernel import Kernel
   from ourgrad.codegen.linearizer import Linearizer
   from ourgrad.shape.shapetracker import ShapeTracker
 
@@ -130,3 +132,83 @@ def _load_end(lin: Linearizer, valid: Node, index: Variable, size: int) -> tuple
     end = build.alu(Ops.WHERE, value.dtype, build.alu(Ops.CMPLT, dtypes.bool, end, zero), zero, end)
   for gate in gates: end = build.alu(Ops.WHERE, end.dtype, lin.node_to_uop(gate), end, lin._int(0))
   return end, None if gates else bounding
+
+
+# ---------------------------------------------------------------- GPU row kernels: rows that end at a Variable bound
+#
+# A GPU block runs its row in rounds (codegen/row_passes.py: round j is the units j * T .. (j + 1) * T - 1 of the
+# block's T threads of a row; codegen/element_reduces.py: step j of the staged element reduces). A round that starts
+# at or past the row's bound is skipped by every thread of the block alike (one condition for the whole block: no
+# thread diverges from the others' shuffles or barriers), so the work follows the bound: decode attention's rows
+# (scores, max, sum of exp, exp x V) over the cache slots in use, not over the whole fixed-shape cache.
+
+_ZERO, _NEG_INF, _FALSE, _NOT_FINITE = "zero", "-inf", "false", "not finite"
+
+
+def _past_bound(node: LazyOp, masked: set[int], memo: dict[int, str | None]) -> str | None:
+  """What `node` is wherever the leaves `masked` (ids) read their mask's 0: 0, -inf or False, or None (a value taken
+  as finite, as the module docstring takes the kept factors: x + -inf is -inf; a constant inf or NaN is not taken so).
+  Other reduces' values (an element reduce under a row reduce, the row's max under its sum of exp) are such values."""
+  if id(node) in memo: return memo[id(node)]
+  op, found = node.op, None
+  if op in (Ops.LOAD, Ops.CONST) and id(node) in masked: found = _FALSE if node.dtype == dtypes.bool else _ZERO
+  elif op is Ops.CONST and node.dtype != dtypes.bool and isinstance(node.arg.val, (int, float)):
+    value = float(node.arg.val)
+    found = _NEG_INF if value == -math.inf else _ZERO if value == 0 else None if math.isfinite(value) else _NOT_FINITE
+  elif op not in REDUCE_OPS and node.srcs:
+    kinds = [_past_bound(src, masked, memo) for src in node.srcs]
+    if op is Ops.WHERE: found = kinds[2] if kinds[0] == _FALSE else kinds[1] if kinds[1] == kinds[2] else None
+    elif op is Ops.MUL:
+      if _ZERO in kinds and _NEG_INF not in kinds and _NOT_FINITE not in kinds: found = _ZERO
+      elif kinds.count(_NEG_INF) == 1 and _positive_const(node.srcs[kinds.index(None)] if None in kinds else None):
+        found = _NEG_INF
+    elif op is Ops.ADD:
+      if _NEG_INF in kinds and _NOT_FINITE not in kinds: found = _NEG_INF   # the other term finite (or -inf)
+      elif kinds == [_ZERO, _ZERO]: found = _ZERO
+    elif op in (Ops.NEG, Ops.CAST) and node.dtype != dtypes.bool and kinds[0] == _ZERO: found = _ZERO
+    elif op is Ops.EXP2 and kinds[0] == _NEG_INF: found = _ZERO
+    elif op is Ops.MAX and kinds == [_NEG_INF, _NEG_INF]: found = _NEG_INF
+  memo[id(node)] = found
+  return found
+
+
+def _positive_const(node: LazyOp | None) -> bool:
+  return node is not None and node.op is Ops.CONST and isinstance(node.arg.val, (int, float)) and node.arg.val > 0
+
+
+def _leaf_row_end(kernel: Kernel, leaf: LazyOp, axis: int) -> Node | None:
+  """The element of row axis `axis` from which `leaf` reads its mask's 0 whatever the other axes' indices: an upper
+  bound on the axis' index in its view's validity (`k * i + c < b`) that holds a Variable and no other index."""
+  st = kernel.sts[kernel.leaf_number(leaf)]
+  if not has_variable_mask(st): return None
+  idxs: list[Node] = [Variable(f"_bound{number}", 0, size - 1) if size > 1 else NumNode(0)
+                      for number, size in enumerate(kernel.full_shape)]
+  index = idxs[axis]
+  if not isinstance(index, Variable): return None
+  indices = {var for var in idxs if isinstance(var, Variable)}
+  for condition in _conjuncts(st.expr_idxs(idxs)[1]):
+    if index not in condition.vars(): continue
+    end = _upper_bound(condition, index)
+    if end is not None and isinstance(end, Node) and end.vars() and not indices & set(end.vars()): return end
+  return None
+
+
+def row_end(kernel: Kernel) -> Node | None:
+  """Where the rows of a row kernel with one row axis may end (a Node of bound Variables), or None for the whole
+  row: every leaf with a Variable-bounded mask along the row axis reads its mask's 0 from one element E on, and from
+  there each row reduce's terms are its identity (a SUM's 0: a masked load, a product with one, exp2 of -inf; a
+  MAX's -inf: a `where` whose condition is a masked True, choosing -inf there). Only for outputs once per row (a
+  per-element output, softmax's, is written at every element)."""
+  row_axes = kernel.row_axes or ()
+  if len(row_axes) != 1 or any(kernel.sts[0].shape[axis] != 1 for axis in row_axes): return None
+  ends = {id(leaf): end for leaf in kernel.leaves if leaf.op in (Ops.LOAD, Ops.CONST)
+          if (end := _leaf_row_end(kernel, leaf, row_axes[0])) is not None}
+  if not ends or len(set(ends.values())) != 1: return None
+  reduces = [reduce for reduce in kernel.reduceops if reduce not in kernel.final_reduces
+             and not any(reduce is inner for inner in kernel.element_reduces)]
+  memo: dict[int, str | None] = {}
+  identities = {Ops.SUM: _ZERO, Ops.MAX_REDUCE: _NEG_INF}
+  masked = set(ends)
+  if not reduces or any(_past_bound(reduce.srcs[0], masked, memo) != identities.get(reduce.op) for reduce in reduces):
+    return None
+  return next(iter(ends.values()))

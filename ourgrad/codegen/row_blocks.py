@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from ourgrad.codegen.bounded_loops import row_end
 from ourgrad.codegen.element_reduces import (ELEMENT_ROW_BYTES, ElementStage, is_element_leaf, shared_across_rows,
                                              staged_bytes, stacked_rows, unflatten)
 from ourgrad.codegen.kernel import Kernel
@@ -89,6 +90,7 @@ class BlockRowLinearizer(RowLinearizer):
 
   def linearize(self) -> list[UOp]:
     self._define_buffers()
+    self._define_vars()   # the Variables of masks' bounds (a cache read up to the slots in use)
     return self._linearize_block_rows()
 
   def compute(self, root: LazyOp, idxs: list[Node], reduce_value: UOp | dict[int, UOp] | None) -> UOp:
@@ -154,7 +156,9 @@ class BlockRowLinearizer(RowLinearizer):
     sizes = [shape[axis] // (stack if axis == stack_axis else 1) for axis in row_dims]
     for axis, node in zip(row_dims, unflatten(row, sizes)): idxs[axis] = node
     per_thread = math.ceil(register_units(units, width) / threads)
-    passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS)
+    # rows whose reduces gain nothing past a Variable bound stop there (codegen/bounded_loops.py `row_end`)
+    end = row_end(kernel)
+    passes = RowPasses(self, idxs, thread, threads, units, width, persistent=per_thread <= PERSISTENT_UNITS, end=end)
     # a persistent row's loads are issued first, before the element reduces' staging too (softmax @ V's values do not
     # depend on the staged scores: after the staging's BARRIER they were a round trip to memory of their own)
     if passes.persistent and stack_axis is None: self._prefetch_row(passes)
@@ -162,9 +166,9 @@ class BlockRowLinearizer(RowLinearizer):
       first_row = [NumNode(0)] * len(shape)
       for axis, node in zip(row_dims, unflatten(block * per_block, sizes)): first_row[axis] = node
       self.element_stage = ElementStage(self, stacked_rows(first_row, stack_axis, stack, kernel), block_thread,
-                                        block_threads)
+                                        block_threads, end)
     if stack_axis is not None:
-      return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width, lanes)
+      return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width, lanes, end)
     resident = getattr(kernel.renderer, "threads_per_multiprocessor", 0) // block_threads
     if not passes.persistent and resident > 1:
       # a streamed row's loads in flight come from its resident blocks: the compiler's unrolling of the loop must not
@@ -255,7 +259,7 @@ class BlockRowLinearizer(RowLinearizer):
     return (axis, stack) if stack > 1 else (None, 1)
 
   def _linearize_stacked_rows(self, idxs: list[Node], axis: int, stack: int, thread: Node, threads: int, units: int,
-                              width: int, lanes: tuple[Node, int] | None = None) -> list[UOp]:
+                              width: int, lanes: tuple[Node, int] | None = None, end: Node | None = None) -> list[UOp]:
     """Rows `stack` apart along `axis` (`_stacked_rows`), computed by one thread group one after another in
     straight-line code: their units persistent in registers, the loads they share (a broadcast weight row) are the
     same UOps, which the builder merges, so the shared operand is read once for all of them (a batched
@@ -268,11 +272,11 @@ class BlockRowLinearizer(RowLinearizer):
     shared: dict[int, UOp] = {}
     stacked: list[tuple[list[Node], dict[int, UOp]]] = []
     every_idxs = [[*idxs[:axis], idxs[axis] * stack + sub, *idxs[axis + 1:]] for sub in range(stack)]
-    for sub_idxs in every_idxs: self._prefetch_row(RowPasses(self, sub_idxs, thread, threads, units, width, True))
+    for sub_idxs in every_idxs: self._prefetch_row(RowPasses(self, sub_idxs, thread, threads, units, width, True, end))
     for sub, sub_idxs in enumerate(every_idxs):
       self.reduce_values = dict(shared)
       if self.element_stage is not None: self.element_stage.select(sub)
-      passes = RowPasses(self, sub_idxs, thread, threads, units, width, persistent=True)
+      passes = RowPasses(self, sub_idxs, thread, threads, units, width, persistent=True, end=end)
       offset = sub * len(reduces)   # each row's local memory (a block's partials) of its own
       self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
         accumulator, accumulate_op(reduce), thread, threads, number + offset, lanes))

@@ -60,6 +60,7 @@ class RowLinearizer(Linearizer):
     kernel, build = self.kernel, self.builder
     assert kernel.row_axes is not None
     self._define_buffers()
+    self._define_vars()
     shape = kernel.full_shape
     row_dims = [axis for axis in range(len(shape)) if axis not in kernel.row_axes]
     idxs: list[Node] = [NumNode(0)] * len(shape)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Callable
 
-from ourgrad.codegen.uops import AxisType, UOps
+from ourgrad.codegen.uops import AxisType, UOp, UOps
+from ourgrad.dtype import dtypes
 from ourgrad.ops import REDUCE_OPS, LazyOp, Ops
 from ourgrad.shape.symbolic import Node, NumNode, Variable
 
@@ -28,12 +29,17 @@ class RowPasses:
   the builder reuses them: the row is read once. Otherwise a loop over the thread's units, re-read at each pass, that
   takes `loop_units` units an iteration (their loads issued together: a 16-byte load a thread in flight left a
   vocabulary row at half the copy rate) with no guard; the iterations left over (fewer than `loop_units`, and the one
-  past the row's end when the row's units are not a multiple of T, under an IF) follow, unrolled."""
+  past the row's end when the row's units are not a multiple of T, under an IF) follow, unrolled.
+  `end` (a Node of bound Variables, codegen/bounded_loops.py `row_end`): the row's elements from `end` on add nothing
+  to its reduces, so a persistent row's round (the T threads' units of one iteration) that may start at or past it
+  runs under an IF that is the same for every thread of the block. A looping row keeps its whole loop (a row that
+  long is split over kernels first: no decode row loops)."""
 
   def __init__(self, linearizer: BlockRowLinearizer, idxs: list[Node], thread: Node, threads: int, units: int,
-               width: int, persistent: bool):
+               width: int, persistent: bool, end: Node | None = None):
     self.linearizer, self.idxs, self.thread, self.threads = linearizer, idxs, thread, threads
     self.units, self.width, self.persistent = units, width, persistent
+    self.end = end if persistent else None
     self.per_thread = math.ceil(units / threads)
     # units an iteration of the loop: their loaded values live together (LOOP_REGISTER_UNITS float4s of registers)
     self.loop_units = max(1, LOOP_REGISTER_UNITS // register_units(1, width))
@@ -64,8 +70,23 @@ class RowPasses:
       first_unrolled = steps * self.loop_units
     for number in range(first_unrolled, self.per_thread):
       ragged = self.units % self.threads != 0 and number == self.per_thread - 1
-      if ragged and unguarded: continue
+      if (ragged or self._may_end_before(number)) and unguarded: continue
+      bound = self._round_guard(number)
       self._unit(NumNode(number), ragged, element, store, each_unit)
+      if bound is not None: linearizer.builder.end_if(bound)
+
+  def _may_end_before(self, number: int) -> bool:
+    """Whether the row may end (`end`) before unrolled round `number` starts."""
+    return self.end is not None and number * self.threads * self.width >= self.end.min
+
+  def _round_guard(self, number: int) -> UOp | None:
+    """An IF for unrolled round `number` where the row may end before it (the block's threads alike), else None."""
+    if not self._may_end_before(number): return None
+    assert self.end is not None
+    linearizer = self.linearizer
+    start = linearizer._int(number * self.threads * self.width)
+    inside = linearizer.builder.alu(Ops.CMPLT, dtypes.bool, start, linearizer.node_to_uop(self.end))
+    return linearizer.builder.add(UOps.IF, None, (inside,))
 
   def _unit(self, iteration: Node, ragged: bool, element: Callable[[list[Node]], None] | None, store: bool,
             each_unit: Callable[[list[list[Node]]], None] | None) -> None:
