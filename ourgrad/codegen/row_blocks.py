@@ -50,6 +50,12 @@ SHARED_ROW_UNITS = 2
 # Rows that share a broadcast operand and are computed by one thread group side by side (_stacked_rows): their
 # accumulators and their own loads stay in registers at once.
 MAX_STACKED_ROWS = 8
+# Rows that share a broadcast operand are stacked (_stacked_many_rows) while the kernel keeps at least this many warps
+# a multiprocessor: one for each of its 4 warp schedulers. A matrix-vector product of a decode step runs in one wave
+# whose loads are all in flight at once; what it then takes is the instructions its warps issue, and a thread's
+# fixed work (addresses, the norm's sum of squares and x times the norm's weight, the shuffles) is paid once for its
+# rows, not once a row (SmolLM2's gate/up product, 3072 rows of 576: ~340 SASS instructions a warp a row).
+STACKED_WARPS_PER_MULTIPROCESSOR = 4
 SHARED_ROW_BLOCK = 128
 # the threads of the one block of a row kernel with final reduces (_linearize_final_rows)
 FINAL_ROWS_BLOCK = 256
@@ -86,6 +92,9 @@ class BlockRowLinearizer(RowLinearizer):
     self.vector_unit: tuple[list[Node], int, int] | None = None
     # a GPU block's element reduces, computed into local memory before the row passes (codegen/element_reduces.py)
     self.element_stage: ElementStage | None = None
+    # while a pass computes a unit that lies past the row's end for some threads: whether it is inside, the gate of
+    # every global load (row_passes.RowPasses._unit)
+    self.unit_gate: UOp | None = None
 
   def linearize(self) -> list[UOp]:
     self._define_buffers()
@@ -231,16 +240,17 @@ class BlockRowLinearizer(RowLinearizer):
     return best[1:] if best[1] is not None else self._stacked_many_rows(row_dims, loads)
 
   def _stacked_many_rows(self, row_dims: list[int], loads: list[LazyOp]) -> tuple[int | None, int]:
-    """(axis, rows) where a kernel's rows are so many that their thread groups fill the GPU several times over (a
-    vocabulary's logits, 49152 rows x a warp: ~6 waves of the H200's resident threads) and some load is broadcast
-    along the innermost row axis (x and its norm's weight): a thread group computes that many rows side by side,
-    as many (a power of two, at most MAX_STACKED_ROWS) as still leave every resident thread of every multiprocessor
-    a row's share. Each wave of such a kernel was a round trip to memory with a few hundred bytes in flight a warp;
-    stacked, each warp has its rows' loads in flight at once, and what the rows share (x times the norm's weight,
-    the norm's sum of squares) is computed once for them. Else (None, 1)."""
+    """(axis, rows) where a kernel's rows are more than its thread groups need to give every warp scheduler of every
+    multiprocessor a warp (STACKED_WARPS_PER_MULTIPROCESSOR: a vocabulary's logits, 49152 rows x a warp; a decode
+    step's gate/up product, 3072) and some load is broadcast along the innermost row axis (x and its norm's weight):
+    a thread group computes that many rows side by side, as many (a power of two, at most MAX_STACKED_ROWS) as still
+    leave each scheduler a warp. Each wave of such a kernel was a round trip to memory with a few hundred bytes in
+    flight a warp; stacked, each warp has its rows' loads in flight at once, and what the rows share (x times the
+    norm's weight, the norm's sum of squares, addresses) is computed once for them. Else (None, 1)."""
     kernel, shape = self.kernel, self.kernel.full_shape
     renderer = kernel.renderer
-    capacity = getattr(renderer, "threads_per_multiprocessor", 0) * getattr(renderer, "multiprocessors", 0)
+    capacity = STACKED_WARPS_PER_MULTIPROCESSOR * renderer.warp_size * getattr(renderer, "multiprocessors", 0) \
+      if getattr(renderer, "threads_per_multiprocessor", 0) else 0
     axis = row_dims[-1] if row_dims else None
     if not STACK_MANY_ROWS.value or not capacity or axis is None: return None, 1
     if not any(not leaf.srcs and _broadcast_along(leaf.arg.st, axis) for leaf in loads): return None, 1
@@ -539,8 +549,20 @@ class BlockRowLinearizer(RowLinearizer):
     while part >= 2 and not multiple_of(index_node, part): part //= 2
     if part < 2: return None
     index_node = index_node + (lane // part) * part
-    vector = self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node)), part)
+    gate = (self.unit_gate,) if self.unit_gate is not None else ()
+    vector = self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node), *gate),
+                              part)
     return self.builder.add(UOps.GEP, node.dtype, (vector,), lane % part)
+
+  def _global_load(self, node: LazyOp, idxs: list[Node], gathered: tuple[UOp, ...] = ()) -> UOp:
+    """As Linearizer's, gated by `unit_gate` where one is set (a load of a unit past the row's end: no memory read)."""
+    if self.unit_gate is None or gathered: return super()._global_load(node, idxs, gathered)
+    vector_element = self._vector_load(node, idxs)
+    if vector_element is not None: return vector_element
+    index, valid = self._index(self.leaf_index[id(node)], idxs)
+    if valid is not None and valid.op is UOps.CONST and not valid.arg: return super()._global_load(node, idxs)
+    valid = self.unit_gate if valid is None else self.builder.alu(Ops.AND, dtypes.bool, valid, self.unit_gate)
+    return self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], index, valid))
 
   def store_unit(self, lanes: list[list[Node]], width: int) -> None:
     """Store every output at the `width` elements of one unit (indices per lane). All values are computed before
