@@ -148,9 +148,9 @@ ELEMENT_REDUCES = env_var("ELEMENT_REDUCES", 0, "1: a short reduce whose results
 VECTOR_GROUP_REDUCE = env_var("VECTOR_GROUP_REDUCE", 1, "1: a GPU row reduction over a byte load (Q8_0's "
                               "quants) contiguous along its reduce reads a vector a thread (its innermost reduce "
                               "axis unrolled by the vector width before GROUP); 0: one element a thread")
-STACK_MANY_ROWS = env_var("STACK_MANY_ROWS", 1, "1: a GPU row kernel with more rows than give every warp scheduler "
-                          "a warp, with a load broadcast along them (a vocabulary's logits), stacks rows side by side "
-                          "in a thread group while each scheduler keeps a warp; 0: a row a thread group")
+STACK_MANY_ROWS = env_var("STACK_MANY_ROWS", 1, "1: a GPU row kernel whose rows fill the GPU several times over, "
+                          "with a load broadcast along them (a vocabulary's logits), stacks rows side by side in a "
+                          "thread group while a wave stays full; 0: a row a thread group")
 QUANTS_APART = env_var("QUANTS_APART", 1, "1: a GPU PackedTensor keeps its blocks without their leading f16 scale "
                        "bytes (Q8_0, Q4_0, Q4_1: the quants aligned); 0: the blocks as stored")
 MATMUL_GRID = env_var("MATMUL_GRID", 1, "1: a float32 matmul on a GPU (of at least 2^28 multiply-adds) takes the block "

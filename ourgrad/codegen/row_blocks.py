@@ -50,12 +50,6 @@ SHARED_ROW_UNITS = 2
 # Rows that share a broadcast operand and are computed by one thread group side by side (_stacked_rows): their
 # accumulators and their own loads stay in registers at once.
 MAX_STACKED_ROWS = 8
-# Rows that share a broadcast operand are stacked (_stacked_many_rows) while the kernel keeps at least this many warps
-# a multiprocessor: one for each of its 4 warp schedulers. A matrix-vector product of a decode step runs in one wave
-# whose loads are all in flight at once; what it then takes is the instructions its warps issue, and a thread's
-# fixed work (addresses, the norm's sum of squares and x times the norm's weight, the shuffles) is paid once for its
-# rows, not once a row (SmolLM2's gate/up product, 3072 rows of 576: ~340 SASS instructions a warp a row).
-STACKED_WARPS_PER_MULTIPROCESSOR = 4
 SHARED_ROW_BLOCK = 128
 # the threads of the one block of a row kernel with final reduces (_linearize_final_rows)
 FINAL_ROWS_BLOCK = 256
@@ -192,8 +186,8 @@ class BlockRowLinearizer(RowLinearizer):
     return build.uops
 
   def _prefetch_row(self, passes: RowPasses) -> None:
-    """Every plain load of the row reduces' inputs at each of the thread's persistent units (but a ragged last one,
-    under an IF), before the first reduce:
+    """Every plain load of the row reduces' inputs at each of the thread's persistent units (a ragged last one's
+    gated by its IF's condition, RowPasses.run's `unguarded`), before the first reduce:
     the passes after it reuse them (the builder merges equal loads), so all of the row's reads are in flight at once.
     Emitted in the pass that first reads them, a later pass's loads (softmax @ V's values, after the max) would wait
     for the block combine before them: a BARRIER, across which the compiler does not move loads."""
@@ -240,17 +234,18 @@ class BlockRowLinearizer(RowLinearizer):
     return best[1:] if best[1] is not None else self._stacked_many_rows(row_dims, loads)
 
   def _stacked_many_rows(self, row_dims: list[int], loads: list[LazyOp]) -> tuple[int | None, int]:
-    """(axis, rows) where a kernel's rows are more than its thread groups need to give every warp scheduler of every
-    multiprocessor a warp (STACKED_WARPS_PER_MULTIPROCESSOR: a vocabulary's logits, 49152 rows x a warp; a decode
-    step's gate/up product, 3072) and some load is broadcast along the innermost row axis (x and its norm's weight):
-    a thread group computes that many rows side by side, as many (a power of two, at most MAX_STACKED_ROWS) as still
-    leave each scheduler a warp. Each wave of such a kernel was a round trip to memory with a few hundred bytes in
-    flight a warp; stacked, each warp has its rows' loads in flight at once, and what the rows share (x times the
-    norm's weight, the norm's sum of squares, addresses) is computed once for them. Else (None, 1)."""
+    """(axis, rows) where a kernel's rows are so many that their thread groups fill the GPU several times over (a
+    vocabulary's logits, 49152 rows x a warp: ~6 waves of the H200's resident threads) and some load is broadcast
+    along the innermost row axis (x and its norm's weight): a thread group computes that many rows side by side,
+    as many (a power of two, at most MAX_STACKED_ROWS) as still leave every resident thread of every multiprocessor
+    a row's share. Each wave of such a kernel was a round trip to memory with a few hundred bytes in flight a warp;
+    stacked, each warp has its rows' loads in flight at once, and what the rows share (x times the norm's weight,
+    the norm's sum of squares) is computed once for them. Else (None, 1). (Stacking further, while each warp
+    scheduler keeps a warp, was slower on the H200: 4 rows a warp of the bf16 gate/up product 1.91 -> 2.18 us, a
+    4096 x 11008 Q8_0 product's 8 rows of 4096 23.4 -> 28.2 us.)"""
     kernel, shape = self.kernel, self.kernel.full_shape
     renderer = kernel.renderer
-    capacity = STACKED_WARPS_PER_MULTIPROCESSOR * renderer.warp_size * getattr(renderer, "multiprocessors", 0) \
-      if getattr(renderer, "threads_per_multiprocessor", 0) else 0
+    capacity = getattr(renderer, "threads_per_multiprocessor", 0) * getattr(renderer, "multiprocessors", 0)
     axis = row_dims[-1] if row_dims else None
     if not STACK_MANY_ROWS.value or not capacity or axis is None: return None, 1
     if not any(not leaf.srcs and _broadcast_along(leaf.arg.st, axis) for leaf in loads): return None, 1

@@ -47,7 +47,7 @@ class RowPasses:
     past the row's end for some threads: its loads are gated instead (`unit_gate`: the IF's own condition, so the
     computation under the IF later reuses them). A prefetch (`_prefetch_row`) thus has the ragged unit's loads in
     flight with the others: under its IF, after the first reduce's combine, they were a round trip to memory of their
-    own (every stacked row's in turn: 8 of them in a logits kernel of 8 stacked rows)."""
+    own (every stacked row's in turn: 4 of them in the logits kernel of 4 stacked rows)."""
     linearizer = self.linearizer
     first_unrolled = 0
     if not self.persistent:
