@@ -155,16 +155,22 @@ def test_many_rows_are_stacked():
   assert all(uops.index(uop) < first_shuffle for uop in before), "each row's 4 whole units loaded up front"
 
 
-@pytest.mark.parametrize("sequences, rows", [(1, 960), (1, 3072), (1, 49152), (8, 960)],
-                         ids=["qkv", "gate_up", "logits_stacked", "batch8"])
-def test_every_load_is_issued_before_the_first_combine(sequences: int, rows: int):
+@pytest.mark.parametrize("sequences, rows, multiprocessors", [(1, 960, 0), (1, 3072, 0), (1, 1024, 2), (8, 960, 0)],
+                         ids=["qkv", "gate_up", "stacked_by_8", "batch8"])
+def test_every_load_is_issued_before_the_first_combine(sequences: int, rows: int, multiprocessors: int):
   """Normed products whose rows of 576 floats are 4.5 float4 units a lane: the fifth unit, past the row's end for
   half the lanes, is computed under an IF, but its loads (gated by the IF's condition) come before the first shuffle
   with all the others, for every stacked row: inside the IF, after the first reduce's combine, they were a round
-  trip to memory more per row (ncu on the H200: a stall point per stacked row in the logits kernel)."""
+  trip to memory more per row (ncu on the H200: a stall point per stacked row in the logits kernel). Stacked as the
+  logits are, on a GPU of 2 multiprocessors where 1024 rows fill it several times over (8 rows a warp)."""
   out, _, _ = _normed_product(sequences, rows, 576)
   item = create_schedule([out.lazydata])[-1]
-  uops = linearize(Kernel(item.ast, CUDARenderer()))
+  renderer = CUDARenderer()
+  if multiprocessors: renderer.multiprocessors = multiprocessors
+  uops = linearize(Kernel(item.ast, renderer))
+  if multiprocessors:
+    global_size, local_size = launch_dims(uops)
+    assert global_size[0] * local_size[0] == rows * 32 // 8, "8 rows a warp"
   first_combine = next(position for position, uop in enumerate(uops) if uop.op is UOps.WARP_REDUCE)
   loads = [position for position, uop in enumerate(uops) if uop.op is UOps.LOAD and
            uop.srcs[0].op is UOps.DEFINE_GLOBAL]
