@@ -87,8 +87,8 @@ def test_batched_product_reads_each_weight_once():
   per_thread = 576 // 4 // 32 + 1   # 4.5 float4 units over a warp: 5, the last under a guard
   weight_loads = _global_loads(uops, weight)
   assert all(uop.arg == 4 for uop in weight_loads), "float4 weight loads"
-  # the guarded last unit is re-read inside each sequence's guard (its own scope); the others once for all 8
-  assert len(weight_loads) == (per_thread - 1) + 8
+  # the guarded last unit's loads too are issued up front (gated), once for all 8 sequences
+  assert len(weight_loads) == per_thread
   global_size, local_size = launch_dims(uops)
   assert global_size[0] * local_size[0] == 960 * 32, "a warp per output row for all 8 sequences"
 
@@ -153,6 +153,30 @@ def test_many_rows_are_stacked():
                 and leaf.arg.st.real_strides()[-1] == 1 and leaf.arg.st.real_strides()[-2] != 0)
   before = [uop for uop in _global_loads(uops, weight)[:16]]
   assert all(uops.index(uop) < first_shuffle for uop in before), "each row's 4 whole units loaded up front"
+
+
+@pytest.mark.parametrize("sequences, rows, multiprocessors", [(1, 960, 0), (1, 3072, 0), (1, 1024, 2), (8, 960, 0)],
+                         ids=["qkv", "gate_up", "stacked_by_8", "batch8"])
+def test_every_load_is_issued_before_the_first_combine(sequences: int, rows: int, multiprocessors: int):
+  """Normed products whose rows of 576 floats are 4.5 float4 units a lane: the fifth unit, past the row's end for
+  half the lanes, is computed under an IF, but its loads (gated by the IF's condition) come before the first shuffle
+  with all the others, for every stacked row: inside the IF, after the first reduce's combine, they were a round
+  trip to memory more per row (ncu on the H200: a stall point per stacked row in the logits kernel). Stacked as the
+  logits are, on a GPU of 2 multiprocessors where 1024 rows fill it several times over (8 rows a warp)."""
+  out, _, _ = _normed_product(sequences, rows, 576)
+  item = create_schedule([out.lazydata])[-1]
+  renderer = CUDARenderer()
+  if multiprocessors: renderer.multiprocessors = multiprocessors
+  uops = linearize(Kernel(item.ast, renderer))
+  if multiprocessors:
+    global_size, local_size = launch_dims(uops)
+    assert global_size[0] * local_size[0] == rows * 32 // 8, "8 rows a warp"
+  first_combine = next(position for position, uop in enumerate(uops) if uop.op is UOps.WARP_REDUCE)
+  loads = [position for position, uop in enumerate(uops) if uop.op is UOps.LOAD and
+           uop.srcs[0].op is UOps.DEFINE_GLOBAL]
+  assert loads and max(loads) < first_combine
+  gated = [uop for uop in uops if uop.op is UOps.LOAD and uop.srcs[0].op is UOps.DEFINE_GLOBAL and len(uop.srcs) > 2]
+  assert gated, "the ragged unit's loads are gated"
 
 
 @pytest.mark.parametrize("renderer", sorted(RENDERERS))

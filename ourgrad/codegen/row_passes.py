@@ -49,8 +49,11 @@ class RowPasses:
           unguarded: bool = False) -> None:
     """One pass: `element(indices)` for each element of this thread's units, or (store) every output's store, or
     `each_unit(indices of each element)` once per unit. `reads`: the values the pass computes, whose loads a loop
-    iteration issues for all its units first (the computations then reuse them). `unguarded`: only the units every
-    thread has (what a unit under an IF computes is not seen outside it)."""
+    iteration issues for all its units first (the computations then reuse them). `unguarded`: no IF around the unit
+    past the row's end for some threads: its loads are gated instead (`unit_gate`: the IF's own condition, so the
+    computation under the IF later reuses them). A prefetch (`_prefetch_row`) thus has the ragged unit's loads in
+    flight with the others: under its IF, after the first reduce's combine, they were a round trip to memory of their
+    own (every stacked row's in turn: 4 of them in the logits kernel of 4 stacked rows)."""
     linearizer = self.linearizer
     first_unrolled = 0
     if not self.persistent:
@@ -70,9 +73,10 @@ class RowPasses:
       first_unrolled = steps * self.loop_units
     for number in range(first_unrolled, self.per_thread):
       ragged = self.units % self.threads != 0 and number == self.per_thread - 1
-      if (ragged or self._may_end_before(number)) and unguarded: continue
+      # a round the row may end before stays out of an unguarded pass (its loads could lie past the end)
+      if self._may_end_before(number) and unguarded: continue
       bound = self._round_guard(number)
-      self._unit(NumNode(number), ragged, element, store, each_unit)
+      self._unit(NumNode(number), ragged, element, store, each_unit, guarded=not unguarded)
       if bound is not None: linearizer.builder.end_if(bound)
 
   def _may_end_before(self, number: int) -> bool:
@@ -89,12 +93,15 @@ class RowPasses:
     return linearizer.builder.add(UOps.IF, None, (inside,))
 
   def _unit(self, iteration: Node, ragged: bool, element: Callable[[list[Node]], None] | None, store: bool,
-            each_unit: Callable[[list[list[Node]]], None] | None) -> None:
-    """The thread's unit of an iteration (under an IF where it may lie past the row's end)."""
+            each_unit: Callable[[list[list[Node]]], None] | None, guarded: bool = True) -> None:
+    """The thread's unit of an iteration (where it may lie past the row's end: its loads gated, under an IF unless
+    not `guarded`)."""
     linearizer = self.linearizer
     build = linearizer.builder
     unit = iteration * self.threads + self.thread
-    guard = build.add(UOps.IF, None, (linearizer.node_to_uop(unit < self.units),)) if ragged else None
+    inside = linearizer.node_to_uop(unit < self.units) if ragged else None
+    guard = build.add(UOps.IF, None, (inside,)) if inside is not None and guarded else None
+    linearizer.unit_gate = inside
     lanes = [linearizer.unit_idxs(self.idxs, unit, self.width, lane) for lane in range(self.width)]
     if store: linearizer.store_unit(lanes, self.width)
     elif each_unit is not None: each_unit(lanes)
@@ -104,6 +111,7 @@ class RowPasses:
         linearizer.vector_unit = (lanes[0], self.width, lane) if self.width > 1 else None
         element(element_idxs)
       linearizer.vector_unit = None
+    linearizer.unit_gate = None
     if guard is not None: build.end_if(guard)
 
 

@@ -225,6 +225,8 @@ class CStyleLanguage(Renderer):
   # registers: `memory_type` says how buffers store them, `floats_in_registers` how the dialect converts them at loads
   # and stores and rounds a cast result to their precision. The defaults are for dtypes the language has.
   floats_in_registers: dict[DType, FloatInRegisters] = {}
+  # byte dtypes whose vectors a dialect keeps in words (CUDA): a lane of one is read by render_vector_element
+  byte_vector_names: dict[DType, str] = {}
 
   def memory_type(self, dtype: DType) -> str: return self.render_dtype(dtype)
 
@@ -395,7 +397,8 @@ class CStyleLanguage(Renderer):
         if len(uop.srcs) > 2:
           loaded = f"(({ref(uop.srcs[2])}) ? {loaded} : {self.render_vector_zero(uop.arg, uop.dtype)})"
         emit(f"{self.render_vector_type(uop.arg, uop.dtype)} {variable} = {loaded};")
-      elif uop.op is UOps.GEP and uop.srcs[0].op is UOps.LOAD and uop.srcs[0].srcs[0].op is UOps.DEFINE_GLOBAL:
+      elif uop.op is UOps.GEP and uop.srcs[0].op is UOps.LOAD and (uop.srcs[0].srcs[0].op is UOps.DEFINE_GLOBAL or
+                                                                    uop.dtype in self.byte_vector_names):
         names[id(uop)] = self.render_vector_element(ref(uop.srcs[0]), uop.arg, uop.dtype)
       elif uop.op is UOps.GEP:
         names[id(uop)] = f"{ref(uop.srcs[0])}.{'xyzw'[uop.arg]}"

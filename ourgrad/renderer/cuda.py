@@ -55,6 +55,11 @@ class GridFootprint:
 SHORT_LOOP_UNROLL = 8
 # ...whose unrolled body stays at most this many UOps (a loop of tensor-core tiles or staged copies is left as it is)
 SHORT_LOOP_UOPS = 2048
+# A byte (int8, uint8: Q8_0's quants) becomes a float32 through its bits: the byte added into the mantissa of a float of
+# exponent 23 (an integer add or or), then that float's offset subtracted (a float add), exact for every byte. Two
+# full-rate instructions where a conversion (I2F) issues at a quarter of the float rate or less: the products of a
+# decode step convert every weight they read (the logits product, 28 M bytes, and each layer's in one wave).
+BYTE_FLOAT_BITS = 1
 # what keeps a loop rolled: another loop inside it, a barrier, tensor-core or asynchronous-copy work
 _NOT_UNROLLED_INSIDE = (UOps.RANGE, UOps.BARRIER, UOps.WMMA, UOps.COPY)
 
@@ -89,6 +94,19 @@ def pair_helper(name: str, ptx_type: str) -> str:
   return (f"__device__ __forceinline__ unsigned int {name}(float low, float high) {{\n"
           f'  unsigned int bits; asm("cvt.rn.{ptx_type}.f32 %0, %1, %2;" : "=r"(bits) : "f"(high), "f"(low)); '
           "return bits; }\n")
+
+
+def byte_vector_lane(uop: UOp) -> tuple[UOp, int, bool] | None:
+  """(vector, lane, signed) where `uop` is a CAST to float32 of one lane of a 4-byte vector load (uint8, or int8 as
+  the BITCAST of a uint8 lane: Q8_0's quants), else None."""
+  if uop.op is not UOps.CAST or uop.dtype != dtypes.float32: return None
+  source, signed = uop.srcs[0], uop.srcs[0].dtype == dtypes.int8
+  if source.op is UOps.BITCAST and signed and source.srcs[0].dtype == dtypes.uint8: source = source.srcs[0]
+  elif source.dtype not in (dtypes.uint8, dtypes.int8): return None
+  vector = source.srcs[0] if source.op is UOps.GEP else None
+  if vector is None or vector.op is not UOps.LOAD or vector.arg != 4 or vector.dtype != dtypes.uint8: return None
+  if vector.srcs[0].op is not UOps.DEFINE_GLOBAL: return None
+  return vector, source.arg, signed
 
 
 class CUDARenderer(CStyleLanguage):
@@ -196,18 +214,20 @@ class CUDARenderer(CStyleLanguage):
   # warp's 16-bit loads one element a thread move 64 bytes an instruction: GPT-2's bf16 GELU backward ran at 30% of
   # DRAM). int32 as int4 (an uploaded arange beside a cross-entropy gradient's columns: scalar loads 8 columns a lane
   # apart were 8 L1 requests of 16 sectors per 16-byte vector of logits). Bytes too (Q8_0's quants, read by a decode
-  # step's products: one byte a load was 4 load instructions for each of a bfloat16 weight's uint2), as CUDA's
-  # uchar2/uchar4 and char2/char4
+  # step's products: one byte a load was 4 load instructions for each of a bfloat16 weight's uint2), as one 16- or
+  # 32-bit word (render_vector_type)
   vector_dtypes = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.int32, dtypes.uint8, dtypes.int8)
   byte_vector_names = {dtypes.uint8: "uchar", dtypes.int8: "char"}
 
   def vector_lanes(self, dtype: DType) -> int:
-    """As Renderer.vector_lanes, but bytes at most 4 a vector: CUDA's widest built-in byte vectors are uchar4/char4."""
+    """As Renderer.vector_lanes, but bytes at most 4 a vector (one 32-bit word)."""
     lanes = super().vector_lanes(dtype)
     return min(lanes, 4) if dtype in self.byte_vector_names else lanes
 
   def render_vector_type(self, width: int, dtype: DType) -> str:
-    if dtype in self.byte_vector_names: return f"{self.byte_vector_names[dtype]}{width}"
+    # bytes as one word (their lanes taken out by shifts, or as floats by byte_lane_float): a uchar4 is four 8-bit
+    # registers to the compiler, which packed them back into a word with 3 PRMTs for each bit trick on it
+    if dtype in self.byte_vector_names: return {2: "unsigned short", 4: "unsigned int"}[width]
     if dtype not in self.floats_in_registers: return super().render_vector_type(width, dtype)
     return f"uint{width // 2}"   # uint1, uint2, uint4: a word per two values
 
@@ -215,13 +235,33 @@ class CUDARenderer(CStyleLanguage):
     # the index is a multiple of the width (the linearizer checks), so the address is aligned to the vector's bytes
     return f"*((const {self.render_vector_type(width, dtype)}*)({buffer}+({index})))"
 
+  def render_cast(self, value: str, from_dtype: DType, to_dtype: DType) -> str:
+    # bytes to float32 through the bits (BYTE_FLOAT_BITS): 2^23 * 1.5 + s for a signed byte s, 2^23 + u for an unsigned
+    if BYTE_FLOAT_BITS and to_dtype == dtypes.float32 and from_dtype == dtypes.int8:
+      return f"(__int_as_float(0x4B400000 + (int)({value})) - 12582912.0f)"
+    if BYTE_FLOAT_BITS and to_dtype == dtypes.float32 and from_dtype == dtypes.uint8:
+      return f"(__int_as_float(0x4B000000 | (unsigned int)({value})) - 8388608.0f)"
+    return super().render_cast(value, from_dtype, to_dtype)
+
+  def _expression(self, uop: UOp, ref) -> str:
+    lane = byte_vector_lane(uop) if BYTE_FLOAT_BITS else None
+    if lane is None: return super()._expression(uop, ref)
+    # one byte_perm puts the lane's byte under the exponent bits of 2^23 (a signed byte's sign bit flipped once for
+    # the word: 2^23 + 128 + s), one float add removes the offset
+    vector, element, signed = lane
+    return f"byte_lane_float({ref(vector)}, {element}, {'true' if signed else 'false'})"
+
   def render_vector_element(self, vector: str, element: int, dtype: DType) -> str:
+    if dtype in self.byte_vector_names: return f"(({dtype.c_name})({vector} >> {8 * element}))"
     if dtype not in self.floats_in_registers: return super().render_vector_element(vector, element, dtype)
     word = f"{vector}.{'xyzw'[element // 2]}"
     return self.floats_in_registers[dtype].to_float.format(f"((unsigned short)({word} >> {16 * (element % 2)}))")
 
   def render_vector_store(self, buffer: str, index: str, values: list[str], dtype: DType) -> str:
     vector = self.render_vector_type(len(values), dtype)
+    if dtype in self.byte_vector_names:   # the bytes packed into the word, the first in its lowest byte
+      word = " | ".join(f"((unsigned int)(unsigned char)({value}) << {8 * lane})" for lane, value in enumerate(values))
+      return f"*(({vector}*)({buffer}+({index}))) = ({vector})({word});"
     if dtype in self.floats_in_registers:   # each pair of values packed into one word, the first in its low half
       if self.has_16bit_cvt:
         pair = PAIR_TO_BITS[dtype]
@@ -246,8 +286,7 @@ class CUDARenderer(CStyleLanguage):
 
   def render_vector_zero(self, width: int, dtype: DType) -> str:
     if dtype in self.floats_in_registers: return f"make_uint{width // 2}({', '.join(['0u'] * (width // 2))})"
-    if dtype in self.byte_vector_names:
-      return f"make_{self.render_vector_type(width, dtype)}({', '.join(['0'] * width)})"
+    if dtype in self.byte_vector_names: return f"(({self.render_vector_type(width, dtype)})0)"
     return f"make_{self.render_dtype(dtype)}{width}({', '.join([self.render_const(0, dtype)] * width)})"
   buffer_suffix = " __restrict__"
   preamble = ""
@@ -437,6 +476,12 @@ class CUDARenderer(CStyleLanguage):
                      '  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }\n' +
                      (pair_helper("floats_to_f16x2", "f16x2") if self.has_16bit_cvt else ""))
     if dtypes.bfloat16 in used: helpers.append(self.bfloat16_helpers())
+    if BYTE_FLOAT_BITS and any(byte_vector_lane(uop) is not None for uop in uops):
+      helpers.append("__device__ __forceinline__ float byte_lane_float(unsigned int bytes, int lane, "
+                     "bool is_signed) {\n"
+                     "  unsigned int word = bytes ^ (is_signed ? 0x80808080u : 0u);\n"
+                     "  return __int_as_float(__byte_perm(0x4B000000u, word, 0x3004u + lane)) - "
+                     "(is_signed ? 8388736.0f : 8388608.0f); }\n")
     if any(uop.op is UOps.BITCAST for uop in uops):
       helpers.append("template <class To, class From> __device__ __forceinline__ To bitcast(From value) {\n"
                      "  union { From from; To to; } u; u.from = value; return u.to; }\n")
