@@ -143,14 +143,17 @@ def test_bytecodes_per_op(name: str, build: Callable[..., Any], most: int) -> No
 
 def test_float_negation_is_one_product_with_the_shared_minus_one() -> None:
   """-a of a computed float is a * -1 (one MUL base reading the shared -1 constant), as the general path built it,
-  with IEEE signs: -(+0.0) is -0.0, NaN stays NaN; an integer negation stays a NEG base."""
+  with IEEE signs: -(+0.0) is -0.0, NaN stays a NaN (of either sign); an integer negation stays a NEG base."""
   a, _ = _lazy_pair()
   negated = a.elementwise(Ops.NEG)
   assert negated.op is Ops.MUL and negated.srcs[0] is a and negated.dtype == a.dtype
   assert negated.srcs[1] is LazyBuffer.operand_constant(-1, a.shape, a.dtype, a.device)
   values = np.array([0.0, -0.0, 1.5, -2.0, np.inf, np.nan], np.float32)
   got = (-(Tensor(values) * 1.0)).numpy()   # (x * 1.0 of a stored x stays a computation: the fast path)
-  np.testing.assert_array_equal(np.signbit(got), np.signbit(-values))
+  # a NaN's sign bit is not specified by IEEE for a product (NVIDIA GPUs return their one canonical NaN): signs
+  # are compared where the value is a number
+  numbers = ~np.isnan(values)
+  np.testing.assert_array_equal(np.signbit(got[numbers]), np.signbit(-values[numbers]))
   np.testing.assert_array_equal(got, -values)
   ints = (Tensor(np.array([1, -2, 0], np.int32)) + 1).lazydata
   assert ints.elementwise(Ops.NEG).op is Ops.NEG
