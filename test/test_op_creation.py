@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from extra.bench.bench_autograd import bytecodes
 from ourgrad import Tensor, dtypes
 from ourgrad import lazy as lazy_module
 from ourgrad.lazy import LazyBuffer
@@ -92,25 +93,10 @@ def test_one_lazybuffer_per_elementwise_op(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def _bytecodes(build: Callable[[], Any]) -> int:
-  """Bytecode instructions one call of `build` executes, warmed up (sys.settrace's opcode events: deterministic on one
-  Python version, unlike a time)."""
+  """Bytecode instructions one call of `build` executes, warmed up (deterministic on one Python version, unlike a
+  time): bench_autograd's counter, the one the issue's CPU row is measured with."""
   for _ in range(3): build()
-  count = [0]
-
-  def local(frame: Any, event: str, arg: Any) -> Any:
-    if event == "opcode": count[0] += 1
-    return local
-
-  def start(frame: Any, event: str, arg: Any) -> Any:
-    frame.f_trace_opcodes = True
-    return local
-  previous = sys.gettrace()
-  sys.settrace(start)
-  try:
-    build()
-  finally:
-    sys.settrace(previous)
-  return count[0]
+  return bytecodes(build)
 
 
 def _lazy_pair(device: str | None = None) -> tuple[LazyBuffer, LazyBuffer]:

@@ -127,11 +127,12 @@ def bytecodes(call: Callable[[], Any]) -> int:
   def start(frame: Any, event: str, arg: Any) -> Any:
     frame.f_trace_opcodes = True
     return local
+  previous = sys.gettrace()   # a debugger's or coverage's tracer comes back afterwards
   sys.settrace(start)
   try:
     call()
   finally:
-    sys.settrace(None)
+    sys.settrace(previous)
   return count[0]
 
 
