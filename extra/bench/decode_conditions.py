@@ -12,6 +12,8 @@ Conditions (each runs before every timed run of `--steps` steps; the timed runs 
 - torch-import, torch-cuda, torch-alloc, torch-side-stream, torch-kernels: PyTorch imported; its CUDA state made;
   memory from its allocator (no kernel); a few of its kernels on a stream of its own; a few on its default (legacy)
   stream.
+- limits, reset-limits: the CUDA context's limits (stack size, heap, printf FIFO, L2 persisting size, ...) printed
+  against their values when the model was captured; reset-limits sets any that changed back first.
 PyTorch's state persists: a condition after one of them runs beside it.
 For each: tokens/s of the steps fed back on the device (`generate_greedy`) and with the token read on the host each
 step (`decode_greedy`), the SM clock (NVML) right before and right after the timed runs, and the cyclic collections
@@ -85,6 +87,27 @@ def create_streams_with(flags: int) -> None:
     @staticmethod
     def cuStreamCreate(_: int) -> Any: return real.cuStreamCreate(flags)
   ops_cuda.driver = Driver()
+
+
+def context_limits() -> dict[str, int]:
+  """The current CUDA context's limits by name (cuCtxGetLimit; CUDA only)."""
+  from cuda.bindings import driver
+  values = {}
+  for limit in driver.CUlimit:
+    if limit.name == "CU_LIMIT_MAX": continue
+    error, value = driver.cuCtxGetLimit(limit)
+    if error == driver.CUresult.CUDA_SUCCESS: values[limit.name] = int(value)
+  return values
+
+
+def set_context_limits(values: dict[str, int]) -> None:
+  """cuCtxSetLimit for each named limit whose value differs from `values`."""
+  from cuda.bindings import driver
+  now = context_limits()
+  for name, value in values.items():
+    if now.get(name) != value:
+      status = driver.cuCtxSetLimit(driver.CUlimit[name], value)[0]
+      print(f"  set {name} {now.get(name)} -> {value}: {status}")
 
 
 def main() -> None:
@@ -168,7 +191,8 @@ def main() -> None:
 
   befores: dict[str, Callable[[], None]] = {
     "alone": lambda: None, "prefill": prefill, "idle": lambda: time.sleep(args.idle), "torch": torch_steps,
-    "gc-off": prefill, "resident": resident, "torch-import": torch_module, "torch-cuda": torch_cuda,
+    "gc-off": prefill, "resident": resident, "limits": lambda: limits(),
+    "reset-limits": lambda: set_context_limits(initial_limits), "torch-import": torch_module, "torch-cuda": torch_cuda,
     "torch-side-stream": lambda: torch_kernels(True), "torch-kernels": lambda: torch_kernels(False),
     "torch-alloc": torch_alloc}
 
@@ -181,6 +205,15 @@ def main() -> None:
   for run in (fed_back, token_loop): run(), run()   # compile and capture
   model.decode(5, start).numpy(), model.decode(5, start).numpy()
   print(f"captured steps: {captured_steps(model)}")
+  initial_limits = context_limits() if args.device == "CUDA" else {}
+
+  def limits() -> None:
+    changed = {name: (initial_limits.get(name), value) for name, value in context_limits().items()
+               if initial_limits.get(name) != value}
+    if changed not in printed_limits:
+      printed_limits.append(changed)
+      print(f"  context limits changed since capture: {changed or 'none'}")
+  printed_limits: list[Any] = []
   print(f"decode {args.weights}, {args.steps} steps, {args.rounds} rounds a condition; SM clock now "
         f"{clock.sm_mhz()} MHz; gc thresholds {gc.get_threshold()}, objects tracked {len(gc.get_objects())}")
   for name in args.conditions.split(","):
