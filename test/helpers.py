@@ -119,6 +119,19 @@ def nvrtc_compiler() -> Any:
     return None
 
 
+def cuda_source(item: Any, nvrtc: Any) -> str:
+  """The CUDA source of schedule item `item`'s kernel with the hand-coded optimizations, compiled with `nvrtc`
+  (`nvrtc_compiler()`; None: rendered only, no compiler here)."""
+  from ourgrad.codegen.kernel import Kernel
+  from ourgrad.codegen.linearizer import linearize
+  from ourgrad.renderer.cuda import CUDARenderer
+  kernel = Kernel(item.ast, CUDARenderer())
+  kernel.hand_coded_optimizations()
+  source = CUDARenderer().render(kernel.name, linearize(kernel))
+  if nvrtc is not None: nvrtc.compile(source)
+  return source
+
+
 def run_on_python_checking_cuda(kernel: Any, item: Any, nvrtc: Any) -> np.ndarray:
   """The output of schedule item `item` computed by `kernel` (its opts applied) on the PYTHON device, after the same
   kernel lowered for CUDA compiled with `nvrtc` (`nvrtc_compiler()`; None: no CUDA check here)."""

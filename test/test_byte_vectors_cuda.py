@@ -19,17 +19,15 @@ import pytest
 
 from ourgrad import Tensor
 from ourgrad.codegen.kernel import Kernel
-from ourgrad.codegen.linearizer import linearize
 from ourgrad.dtype import dtypes
 from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import ScheduleItem, create_schedule
 from ourgrad.nn.gguf import GGML_Q8_0, PackedTensor, quantize_q8_0
 from ourgrad.ops import Ops
-from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
 from extra.models.llama import inverse_rms_per_output
-from helpers import nvrtc_compiler, run_on_python_checking_cuda
+from helpers import cuda_source, nvrtc_compiler, run_on_python_checking_cuda
 from test_gguf_packed import numpy_dequantize
 
 NVRTC = nvrtc_compiler()
@@ -58,14 +56,6 @@ def _kernel_item(out: Tensor) -> ScheduleItem:
   return schedule[-1]
 
 
-def _cuda_source(item: ScheduleItem) -> str:
-  kernel = Kernel(item.ast, CUDARenderer())
-  kernel.hand_coded_optimizations()
-  source = CUDARenderer().render(kernel.name, linearize(kernel))
-  if NVRTC is not None: NVRTC.compile(source)
-  return source
-
-
 def _emulated(item: ScheduleItem) -> np.ndarray:
   """The kernel with the CUDA defaults, run in the PYTHON device's emulation of CUDA."""
   kernel = Kernel(item.ast, PythonRenderer("CUDA"))
@@ -92,7 +82,7 @@ def test_q8_0_product_converts_quants_through_their_bits(rows: int, k: int) -> N
   conversion of a byte); its values in the emulation against numpy's dequantization."""
   out, expected = _q8_0_product(rows, k)
   item = _kernel_item(out)
-  source = _cuda_source(item)
+  source = cuda_source(item, NVRTC)
   assert "byte_lane_float(" in source and "uchar4" not in source and "unsigned int vec" in source
   got = _emulated(item)
   np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
@@ -103,7 +93,7 @@ def test_byte_lane_float_is_exact_for_every_byte() -> None:
   """The helper the renderer writes, compiled on the host: every byte value in every lane of a word, as a signed and
   as an unsigned byte, against numpy's int8 and uint8 values."""
   out, _ = _q8_0_product(8, 64)
-  source = _cuda_source(_kernel_item(out))
+  source = cuda_source(_kernel_item(out), NVRTC)
   helper = re.search(r"__device__ __forceinline__ float byte_lane_float\(.*?\n.*?\n.*?\}\n", source, re.S)
   assert helper is not None
   program = HOST_INTRINSICS + helper.group(0) + r"""
@@ -132,7 +122,7 @@ def test_byte_vectors_store_as_words() -> None:
   data = np.arange(256, dtype=np.uint8)
   x = Tensor(data, device="PYTHON")
   item = _kernel_item((x + 3).cast(dtypes.uint8))
-  source = _cuda_source(item)
+  source = cuda_source(item, NVRTC)
   assert "*((unsigned int*)(data0+" in source and "uchar4" not in source
   got = _emulated(item)
   np.testing.assert_array_equal(got, (data + 3).astype(np.uint8))

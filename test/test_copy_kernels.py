@@ -28,7 +28,7 @@ from ourgrad.engine.schedule import ScheduleItem, create_schedule
 from ourgrad.renderer.cuda import CUDARenderer
 from ourgrad.runtime.ops_python import PythonRenderer
 
-from helpers import nvrtc_compiler
+from helpers import cuda_source, nvrtc_compiler
 
 rng = np.random.default_rng(24)
 NVRTC = nvrtc_compiler()
@@ -60,14 +60,6 @@ def _run_emulated(item: ScheduleItem) -> list[np.ndarray]:
   return [output.numpy() for output in outputs]
 
 
-def _cuda_source(item: ScheduleItem) -> str:
-  kernel = Kernel(item.ast, CUDARenderer())
-  kernel.hand_coded_optimizations()
-  source = CUDARenderer().render(kernel.name, linearize(kernel))
-  if NVRTC is not None: NVRTC.compile(source)
-  return source
-
-
 def _scalar_accesses(source: str) -> int:
   """Scalar global loads and stores in a CUDA source (`dataN[...]`)."""
   return len(re.findall(r"\bdata\d+\[", source))
@@ -87,7 +79,7 @@ def test_flat_gelu_forward_loads_and_stores_float4() -> None:
   h = _array(64, 512)
   item = _last_item([Tensor(h, device="PYTHON").gelu(approximate="tanh")])
   np.testing.assert_allclose(_run_emulated(item)[0].reshape(h.shape), _gelu_tanh(h), rtol=1e-5, atol=1e-5)
-  source = _cuda_source(item)
+  source = cuda_source(item, NVRTC)
   assert source.count("*((const float4*)(data1+") == 1 and source.count("*((float4*)(data0+") == 1
   assert _scalar_accesses(source) == 0
 
@@ -103,7 +95,7 @@ def test_flat_gelu_backward_loads_and_stores_float4() -> None:
   reference = torch.tensor(h, requires_grad=True)
   torch.nn.functional.gelu(reference, approximate="tanh").backward(torch.tensor(g))
   np.testing.assert_allclose(_run_emulated(item)[0].reshape(h.shape), reference.grad.numpy(), rtol=1e-4, atol=1e-5)
-  source = _cuda_source(item)
+  source = cuda_source(item, NVRTC)
   assert _scalar_accesses(source) == 0 and source.count("*((float4*)(data0+") == 1
 
 
@@ -132,7 +124,7 @@ def test_two_aligned_cats_transposed_read_only_gated_vectors() -> None:
   for (arrays, _), got in zip(layers, _run_emulated(item)):
     expected = np.concatenate(arrays, axis=1).T
     np.testing.assert_allclose(got.reshape(expected.shape), expected)
-  source = _cuda_source(item)
+  source = cuda_source(item, NVRTC)
   assert _scalar_accesses(source) == 0, source
   assert source.count("? *((const float4*)") == 20   # 4 vectors of a 4 x 4 tile x 5 pieces (dq's loaded once)
   assert source.count("*((float4*)(data0+") == source.count("*((float4*)(data1+") == 4
@@ -147,7 +139,7 @@ def test_transposed_cat_stores_float4_and_loads_each_piece_as_vectors() -> None:
   item = _last_item([tensors[0].cat(tensors[1], tensors[2], dim=1).T.contiguous()])
   expected = np.concatenate(arrays, axis=1).T
   np.testing.assert_allclose(_run_emulated(item)[0].reshape(expected.shape), expected)
-  source = _cuda_source(item)
+  source = cuda_source(item, NVRTC)
   assert _scalar_accesses(source) == 0, source
   kernel = Kernel(item.ast, CUDARenderer())
   kernel.hand_coded_optimizations()
@@ -169,7 +161,7 @@ def test_cat_pieces_across_vectors_match_numpy(widths: tuple[int, ...], transpos
   result, expected = (cat.T.contiguous(), expected.T) if transposed else ((cat * 2).contiguous(), expected * 2)
   item = _last_item([result])
   np.testing.assert_allclose(_run_emulated(item)[0].reshape(expected.shape), expected)
-  source = _cuda_source(item)
+  source = cuda_source(item, NVRTC)
   # the tile pads 48 rows to 64: its edge stores stay masked scalars, the loads are vectors
   if widths == (8, 12, 4) and transposed: assert _scalar_loads(source) == 0, source
   if widths == (6, 10): assert _scalar_loads(source) > 0   # a piece's edge inside a vector
@@ -183,7 +175,7 @@ def test_two_outputs_store_float4() -> None:
   plus, times = _run_emulated(item)
   np.testing.assert_allclose(plus.reshape(x.shape), x + 1)
   np.testing.assert_allclose(times.reshape(x.shape), x * 2)
-  source = _cuda_source(item)
+  source = cuda_source(item, NVRTC)
   assert source.count("*((float4*)(data0+") == source.count("*((float4*)(data1+") == 1
   assert _scalar_accesses(source) == 0
 
@@ -264,6 +256,6 @@ def test_head_permutes_load_and_store_float4(name: str) -> None:
       x.reshape(2, 16, 3, 64).transpose(0, 2, 1, 3)
   item = _last_item([(result * 2).contiguous()])
   np.testing.assert_allclose(_run_emulated(item)[0].reshape(expected.shape), expected * 2)
-  source = _cuda_source(item)
+  source = cuda_source(item, NVRTC)
   assert _scalar_accesses(source) == 0, source
   assert "*((const float4*)(data1+" in source and "*((float4*)(data0+" in source
