@@ -595,21 +595,7 @@ def _enum_class_reads(build: Callable[[], Any]) -> int:
       offsets[code] = {first.offset for first, second in zip(instructions, instructions[1:])
                        if first.opname == "LOAD_GLOBAL" and first.argval == "Ops" and second.opname == "LOAD_ATTR"}
     return offsets[code]
-  count = [0]
-
-  def local(frame: Any, event: str, arg: Any) -> Any:
-    if event == "opcode" and frame.f_lasti in reads_at(frame.f_code): count[0] += 1
-    return local
-
-  def start(frame: Any, event: str, arg: Any) -> Any:
-    frame.f_trace_opcodes = True
-    return local
-  sys.settrace(start)
-  try:
-    build()
-  finally:
-    sys.settrace(None)
-  return count[0]
+  return bytecodes(build, counted=lambda frame: frame.f_lasti in reads_at(frame.f_code))
 
 
 def test_training_step_graph_reads_no_ops_member_off_the_class() -> None:

@@ -116,12 +116,13 @@ def count_calls(step: PhasedStep) -> dict[str, int]:
   return result
 
 
-def bytecodes(call: Callable[[], Any]) -> int:
-  """Bytecode instructions Python frames execute in `call()` (C code counts nothing)."""
+def bytecodes(call: Callable[[], Any], counted: Callable[[Any], bool] | None = None) -> int:
+  """Bytecode instructions Python frames execute in `call()` (C code counts nothing); with `counted`, only those
+  where `counted(frame)` holds (the frame at the instruction about to run: `f_code`, `f_lasti`)."""
   count = [0]
 
   def local(frame: Any, event: str, arg: Any) -> Any:
-    if event == "opcode": count[0] += 1
+    if event == "opcode" and (counted is None or counted(frame)): count[0] += 1
     return local
 
   def start(frame: Any, event: str, arg: Any) -> Any:
