@@ -408,37 +408,39 @@ def launch_replayed(item: ScheduleItem, memo: Any) -> None:
   GlobalCounters.global_mem += runner.byte_count
 
 
+def _launch_if_replayed(item: ScheduleItem, generation: Any) -> bool:
+  """Launch `item` through its memo's launcher if it is a replayed item lowered in this cache `generation` (None: not
+  now: run_schedule's quiet path), counted as ExecItem.run counts; whether it did."""
+  memo = item.lowering
+  if generation is None or memo is None or memo.launch is None or memo.generation != generation or \
+      memo.source is not _runner_cache:
+    return False
+  launch_replayed(item, memo)
+  return True
+
+
 def run_schedule(schedule: list[ScheduleItem]) -> None:
   """Plan memory, lower and launch every item in order (counting kernels, ops and bytes in GlobalCounters)."""
+  capturing = is_capturing()   # a capturing JIT keeps the items it sees: each one its own
+  # a replayed item lowered before, launched while nothing prints, times or records launches: its memo's launcher
+  # called with its buffers (what ExecItem.run's fast path does, without an ExecItem). A cache without a generation
+  # (as a test may swap in) keeps no lowering
+  generation = getattr(_runner_cache, "generation", None) if not capturing and quiet_launches() else None
   if len(schedule) == 1:
-    # one replayed kernel (a small eager realize): launched as the loop below would, without its setup
-    item = schedule[0]
-    memo = item.lowering
-    # (a cache without a generation, as a test may swap in, keeps no lowering: memo.generation is then None)
-    if memo is not None and memo.launch is not None and memo.source is _runner_cache and not is_capturing() and \
-        memo.generation == getattr(_runner_cache, "generation", None) is not None and quiet_launches():
-      launch_replayed(item, memo)
-      return
-  elif len(schedule) > 1:   # (one item: nothing to plan, no note)
+    # one kernel (a small eager realize): nothing to plan, no note, no graph; replayed, it skips the loop's setup too
+    if _launch_if_replayed(schedule[0], generation): return
+  elif len(schedule) > 1:
     note_compiles(schedule)
     plan_schedule_memory(schedule)
-  capturing = is_capturing()   # a capturing JIT keeps the items it sees: each one its own
-  # a cached schedule realized again and again runs as one graph (engine/capture.py; one kernel: one launch already)
-  if len(schedule) > 1 and not capturing and schedule[0].lowering is not None and \
-      run_captured(schedule, getattr(_runner_cache, "generation", None)):
-    return
+    # a cached schedule realized again and again runs as one graph (engine/capture.py; one kernel: one launch already)
+    if not capturing and schedule[0].lowering is not None and \
+        run_captured(schedule, getattr(_runner_cache, "generation", None)):
+      return
   ahead: Any = None   # the later new kernels' compiles under way side by side (COMPILE_THREADS)
   misses = _runner_misses[0]
-  # a replayed item lowered before, launched while nothing prints, times or records launches: its memo's launcher
-  # called with its buffers (what ExecItem.run's fast path does, without an ExecItem)
-  generation = getattr(_runner_cache, "generation", None) if not capturing and quiet_launches() else None
   for index, item in enumerate(schedule):
     if ahead is not None: ahead.ready(index)
-    memo = item.lowering
-    if generation is not None and memo is not None and memo.launch is not None and memo.generation == generation \
-        and memo.source is _runner_cache:
-      launch_replayed(item, memo)
-      continue
+    if _launch_if_replayed(item, generation): continue
     if capturing: lower_schedule_item(item).run()
     else:
       exec_item = lower_schedule_item(item, reuse=True)
