@@ -33,8 +33,9 @@ MAX_TRACED = 50_000   # bases in one trace; beyond it the trace is dropped (tain
 _LEAF = "leaf buffer"
 _INLINE = "inline constant"
 PLAIN_ARG_TYPES = (type(None), int, bool, str)
-# the arg types a key holds as they are when true (a float zero is not: 0.0 and -0.0 are equal, hashable_arg tells them
-# apart; a false value of the others comes back from hashable_arg as it is)
+# the arg types a key holds as they are when true, the test describe makes of a base's arg and of an inlined constant
+# (a float zero is not: 0.0 and -0.0 are equal, hashable_arg tells them apart; a false value of the others comes back
+# from hashable_arg as it is)
 _PLAIN_TYPES = frozenset((*PLAIN_ARG_TYPES, float))
 
 
@@ -115,7 +116,7 @@ def describe(trace: Trace) -> bool:
   for position, base in enumerate(bases):
     if base._trace_index != position: return False
     arg, srcs = base.arg, base.srcs
-    extend((base.op, arg if type(arg) in PLAIN_ARG_TYPES or (type(arg) is float and arg) else hashable_arg(arg),
+    extend((base.op, arg if type(arg) in _PLAIN_TYPES and arg else hashable_arg(arg),
             base.dtype, base.device, base.shape, base.forced_realize, len(srcs)))
     for src in srcs:
       src_base = src._base or src   # (a view's base; a base is its own: LazyBuffers are always true)
