@@ -149,9 +149,7 @@ class LRUAllocator(Allocator):
 
   def free(self, handle: Any, nbytes: int) -> None:
     with MEMORY_LOCK:
-      # (cache_limit's kept answer read here while the variable's raw text is the same: a free at every eager step)
-      known = self._limit
-      limit = known[1] if known is not None and known[0] is environ_lookup(_CACHE_LIMIT_KEY) else self.cache_limit()
+      limit = self.cache_limit()
       if limit >= 0 and self.cached_total + nbytes > limit:
         self._free(handle, nbytes)
         return
