@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Iterable, Sequence
 
-from ourgrad.codegen.uops import UOp
+from ourgrad.codegen.uops import UOp, UOps
 from ourgrad.dtype import dtypes
 from ourgrad.ops import REDUCE_OPS, LazyOp, MemBuffer, Ops
 from ourgrad.shape.symbolic import AndNode, LtNode, Node, NumNode, Variable, is_symbolic, sym_and
@@ -143,6 +143,15 @@ def _load_end(lin: Linearizer, valid: Node, index: Variable, size: int) -> tuple
 # (scores, max, sum of exp, exp x V) over the cache slots in use, not over the whole fixed-shape cache.
 
 _ZERO, _NEG_INF, _FALSE, _NOT_FINITE = "zero", "-inf", "false", "not finite"
+
+
+def round_guard(lin: Linearizer, start: int, end: Node | None) -> UOp | None:
+  """An IF, the same for every thread of the block, around a round of a row that starts at element `start`, where the
+  row may end (`end`, from `row_end`) before it; None where it cannot (no bound, or the bound's least value is past
+  `start`). The caller ends the IF after the round."""
+  if end is None or start < end.min: return None
+  inside = lin.builder.alu(Ops.CMPLT, dtypes.bool, lin._int(start), lin.node_to_uop(end))
+  return lin.builder.add(UOps.IF, None, (inside,))
 
 
 def _past_bound(node: LazyOp, masked: set[int], memo: dict[int, str | None]) -> str | None:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from ourgrad.codegen.bounded_loops import round_guard
 from ourgrad.codegen.linearizer import reduce_identity
 from ourgrad.codegen.uops import UOp, UOps
-from ourgrad.dtype import dtypes
 from ourgrad.ops import LazyOp, Ops
 from ourgrad.shape.symbolic import Node, NumNode, sym_and
 
@@ -137,11 +137,7 @@ class ElementStage:
     for slot, row_idxs in enumerate(staged_rows):
       for step in range(iterations):
         element = group + step * groups
-        bounded = end is not None and step * groups >= end.min
-        if bounded:
-          assert end is not None
-          inside = build.alu(Ops.CMPLT, dtypes.bool, linearizer._int(step * groups), linearizer.node_to_uop(end))
-          step_guard = build.add(UOps.IF, None, (inside,))
+        step_guard = round_guard(linearizer, step * groups, end)
         ragged = (step + 1) * groups > self.length
         # past the row's end (the last step) a group computes an element again (every lane of a warp takes part in
         # its shuffles) and does not store it
@@ -156,7 +152,7 @@ class ElementStage:
           position = linearizer.node_to_uop(element + slot * self.length)
           build.add(UOps.STORE, None, (self.locals[id(reduce)], position, value))
           if writer is not None: build.end_if(writer)
-        if bounded: build.end_if(step_guard)
+        if step_guard is not None: build.end_if(step_guard)
     self.slots = len(staged_rows)
     build.add(UOps.BARRIER, None)
 

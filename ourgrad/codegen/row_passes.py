@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Callable
 
-from ourgrad.codegen.uops import AxisType, UOp, UOps
-from ourgrad.dtype import dtypes
+from ourgrad.codegen.bounded_loops import round_guard
+from ourgrad.codegen.uops import AxisType, UOps
 from ourgrad.ops import REDUCE_OPS, LazyOp, Ops
 from ourgrad.shape.symbolic import Node, NumNode, Variable
 
@@ -75,22 +75,13 @@ class RowPasses:
       ragged = self.units % self.threads != 0 and number == self.per_thread - 1
       # a round the row may end before stays out of an unguarded pass (its loads could lie past the end)
       if self._may_end_before(number) and unguarded: continue
-      bound = self._round_guard(number)
+      bound = round_guard(linearizer, number * self.threads * self.width, self.end)   # (the block's threads alike)
       self._unit(NumNode(number), ragged, element, store, each_unit, guarded=not unguarded)
       if bound is not None: linearizer.builder.end_if(bound)
 
   def _may_end_before(self, number: int) -> bool:
     """Whether the row may end (`end`) before unrolled round `number` starts."""
     return self.end is not None and number * self.threads * self.width >= self.end.min
-
-  def _round_guard(self, number: int) -> UOp | None:
-    """An IF for unrolled round `number` where the row may end before it (the block's threads alike), else None."""
-    if not self._may_end_before(number): return None
-    assert self.end is not None
-    linearizer = self.linearizer
-    start = linearizer._int(number * self.threads * self.width)
-    inside = linearizer.builder.alu(Ops.CMPLT, dtypes.bool, start, linearizer.node_to_uop(self.end))
-    return linearizer.builder.add(UOps.IF, None, (inside,))
 
   def _unit(self, iteration: Node, ragged: bool, element: Callable[[list[Node]], None] | None, store: bool,
             each_unit: Callable[[list[list[Node]]], None] | None, guarded: bool = True) -> None:
