@@ -71,6 +71,9 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
     self.loop_vars: dict[str, UOp] = {}
     self.buffers: dict[int, UOp] = {}
     self.leaf_index = {id(leaf): index for index, leaf in enumerate(kernel.leaves)}
+    # a condition every plain global load also takes while set (a GPU row kernel's unit that lies past its row's end
+    # for some threads: row_passes.RowPasses._unit): such a load reads no memory where it is false
+    self.load_gate: UOp | None = None
     self.tiles: dict[int, tuple[UOp, list[int]]] = {}   # loads staged in local memory (OptOps.SHARED)
     self.tile_vectors: dict[tuple, UOp] = {}   # float4 reads of the tiles in this reduce step
     self.tile_offsets: dict[int, Node] = {}   # the stage being read, by id of the local memory (double buffered)
@@ -612,6 +615,9 @@ class Linearizer(TensorCoreTiles, HaloTileFill, SharedTileFill):
       valid = in_range if valid is None else self.builder.alu(Ops.AND, dtypes.bool, valid, in_range)
     if valid is not None and valid.op is UOps.CONST and not valid.arg:
       return self.builder.const(zero_of(node.dtype), node.dtype)
+    gate = self.load_gate
+    if gate is not None and not gathered:
+      valid = gate if valid is None else self.builder.alu(Ops.AND, dtypes.bool, valid, gate)
     srcs = (self.buffers[node.arg.idx], index) + ((valid,) if valid is not None else ())
     return self.builder.add(UOps.LOAD, node.dtype, srcs)
 

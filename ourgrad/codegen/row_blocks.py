@@ -87,9 +87,6 @@ class BlockRowLinearizer(RowLinearizer):
     self.vector_unit: tuple[list[Node], int, int] | None = None
     # a GPU block's element reduces, computed into local memory before the row passes (codegen/element_reduces.py)
     self.element_stage: ElementStage | None = None
-    # while a pass computes a unit that lies past the row's end for some threads: whether it is inside, the gate of
-    # every global load (row_passes.RowPasses._unit)
-    self.unit_gate: UOp | None = None
 
   def linearize(self) -> list[UOp]:
     self._define_buffers()
@@ -548,20 +545,10 @@ class BlockRowLinearizer(RowLinearizer):
     while part >= 2 and not multiple_of(index_node, part): part //= 2
     if part < 2: return None
     index_node = index_node + (lane // part) * part
-    gate = (self.unit_gate,) if self.unit_gate is not None else ()
+    gate = (self.load_gate,) if self.load_gate is not None else ()
     vector = self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], self.node_to_uop(index_node), *gate),
                               part)
     return self.builder.add(UOps.GEP, node.dtype, (vector,), lane % part)
-
-  def _global_load(self, node: LazyOp, idxs: list[Node], gathered: tuple[UOp, ...] = ()) -> UOp:
-    """As Linearizer's, gated by `unit_gate` where one is set (a load of a unit past the row's end: no memory read)."""
-    if self.unit_gate is None or gathered: return super()._global_load(node, idxs, gathered)
-    vector_element = self._vector_load(node, idxs)
-    if vector_element is not None: return vector_element
-    index, valid = self._index(self.leaf_index[id(node)], idxs)
-    if valid is not None and valid.op is UOps.CONST and not valid.arg: return super()._global_load(node, idxs)
-    valid = self.unit_gate if valid is None else self.builder.alu(Ops.AND, dtypes.bool, valid, self.unit_gate)
-    return self.builder.add(UOps.LOAD, node.dtype, (self.buffers[node.arg.idx], index, valid))
 
   def store_unit(self, lanes: list[list[Node]], width: int) -> None:
     """Store every output at the `width` elements of one unit (indices per lane). All values are computed before

@@ -50,7 +50,7 @@ class RowPasses:
     """One pass: `element(indices)` for each element of this thread's units, or (store) every output's store, or
     `each_unit(indices of each element)` once per unit. `reads`: the values the pass computes, whose loads a loop
     iteration issues for all its units first (the computations then reuse them). `unguarded`: no IF around the unit
-    past the row's end for some threads: its loads are gated instead (`unit_gate`: the IF's own condition, so the
+    past the row's end for some threads: its loads are gated instead (`load_gate`: the IF's own condition, so the
     computation under the IF later reuses them). A prefetch (`_prefetch_row`) thus has the ragged unit's loads in
     flight with the others: under its IF, after the first reduce's combine, they were a round trip to memory of their
     own (every stacked row's in turn: 4 of them in the logits kernel of 4 stacked rows)."""
@@ -92,7 +92,7 @@ class RowPasses:
     unit = iteration * self.threads + self.thread
     inside = linearizer.node_to_uop(unit < self.units) if ragged else None
     guard = build.add(UOps.IF, None, (inside,)) if inside is not None and guarded else None
-    linearizer.unit_gate = inside
+    linearizer.load_gate = inside
     lanes = [linearizer.unit_idxs(self.idxs, unit, self.width, lane) for lane in range(self.width)]
     if store: linearizer.store_unit(lanes, self.width)
     elif each_unit is not None: each_unit(lanes)
@@ -102,7 +102,7 @@ class RowPasses:
         linearizer.vector_unit = (lanes[0], self.width, lane) if self.width > 1 else None
         element(element_idxs)
       linearizer.vector_unit = None
-    linearizer.unit_gate = None
+    linearizer.load_gate = None
     if guard is not None: build.end_if(guard)
 
 
