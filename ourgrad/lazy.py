@@ -212,9 +212,9 @@ class LazyBuffer:
       return _constant(value, shape, dtype, device)
     if shared is not None: return shared
     shared = _constant(value, shape, dtype, device)
-    # one element (or none): a contiguous view, which `contiguous()` would answer by marking the shared base; NaN:
-    # never equal to its key
-    if shared.st.contiguous or value != value: return shared
+    # (one element or none, the view is contiguous: shared too, since `contiguous()` copies a constant rather than
+    # marking its base)
+    if value != value: return shared   # NaN: never equal to its key
     if len(_OPERAND_CONSTANTS) >= _OPERAND_CONSTANTS_MAX: _OPERAND_CONSTANTS.clear()
     _OPERAND_CONSTANTS[key] = shared
     return shared
@@ -456,9 +456,11 @@ class LazyBuffer:
 
   def contiguous(self) -> LazyBuffer:
     """A buffer holding these values in row-major order (realized as its own kernel if it is a view)."""
-    # a base, or a plain reshape of one, already is row-major data: realize the base, no copy
-    if self.reads_whole_base:
-      self.base.forced_realize = True
+    # a base, or a plain reshape of one, already is row-major data: realize the base, no copy. Not an unrealized
+    # constant's base, which may be shared by many readers (`operand_constant`: one element is a contiguous view)
+    base = self.base
+    if self.reads_whole_base and (base.op is not CONST or base.realized is not None):
+      base.forced_realize = True
       return self
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, CONTIGUOUS, None, (self,))
 

@@ -87,10 +87,13 @@ def test_results_holding_constants_stay_their_own_memory() -> None:
   np.testing.assert_array_equal((x + 1.0).numpy(), np.full((2, 3), 2.0, np.float32))
 
 
-def test_one_element_constants_are_not_shared() -> None:
+def test_one_element_constants_are_shared_and_never_marked() -> None:
+  """A one-element operand constant is shared as larger ones are (session 21: op1's `x + 1` made it per op);
+  contiguous() of it copies it instead of marking the shared base for realizing."""
   device = Tensor([1.0]).device
-  assert LazyBuffer.operand_constant(2.0, (1, 1), dtypes.float32, device) is not \
-      LazyBuffer.operand_constant(2.0, (1, 1), dtypes.float32, device)
+  shared = LazyBuffer.operand_constant(2.0, (1, 1), dtypes.float32, device)
+  assert shared is LazyBuffer.operand_constant(2.0, (1, 1), dtypes.float32, device)
+  assert shared.contiguous().base is not shared.base and not shared.base.forced_realize
   t = Tensor([[3.0]])
   np.testing.assert_array_equal((t + 2.0).contiguous().numpy(), [[5.0]])
   np.testing.assert_array_equal((t + 2.0).numpy(), [[5.0]])
