@@ -72,11 +72,21 @@ class Function:
     # _record_inputs written out (one frame less for every op built); the flags kept in a local too (each read of
     # ctx's attribute below would be two more steps, on every op built). Not the device: a forward may set it (Shard)
     ctx.device = tensors[0]._lazydata.device   # (Tensor.device without the property call)
-    ctx.needs_input_grad = needs = list(map(_requires_grad_of, tensors))
+    count = len(tensors)
+    if count == 2: needs = [tensors[0].requires_grad, tensors[1].requires_grad]
+    elif count == 1: needs = [tensors[0].requires_grad]
+    else: needs = list(map(_requires_grad_of, tensors))
+    ctx.needs_input_grad = needs
     ctx.requires_grad = requires = True if True in needs else None if None in needs else False
     if requires:
       ctx.parents, ctx.parent_ctxs, ctx.versions_seen = tensors, tuple(map(_ctx_of, tensors)), Storage.versions_made
-    output = ctx.forward(*map(_lazydata_of, tensors), **kwargs)
+    # one input, or two without keywords (most ops): each input's value read by a Python call (_lazydata) and forward
+    # called with its arguments listed, where it can be: a property read through map, or a call with *args and
+    # **kwargs, re-enters the interpreter from C, which costs as much as the rest of this function
+    if count == 1:
+      output = ctx.forward(_lazydata(tensors[0]), **kwargs) if kwargs else ctx.forward(_lazydata(tensors[0]))
+    elif count == 2 and not kwargs: output = ctx.forward(_lazydata(tensors[0]), _lazydata(tensors[1]))
+    else: output = ctx.forward(*map(_lazydata_of, tensors), **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch; under no_grad() nothing
     # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
     # of silently doing nothing)
@@ -97,6 +107,15 @@ _new_function = _new_tensor = object.__new__
 # per-input reads through map (C), not list comprehensions: each comprehension is one more Python frame per op built
 _lazydata_of = operator.attrgetter("lazydata")   # (Tensor.lazydata: the newest version of the tensor's memory)
 _requires_grad_of = operator.attrgetter("requires_grad")
+
+
+def _lazydata(tensor: Tensor) -> LazyBuffer | Any:
+  """tensor.lazydata (its newest version), the property's common case written out: a tensor whose base has no newer
+  version and that is no constant's storage holds its value as it is."""
+  lazy = tensor._lazydata
+  if type(lazy) is LazyBuffer and ((lazy._base or lazy)._storage is not None or lazy._const is not None):
+    return tensor.lazydata
+  return lazy
 _ctx_of = operator.attrgetter("_ctx")
 
 

@@ -1,0 +1,71 @@
+"""Machine instructions one lazy op's creation costs (issue 26's graph phase), counted by valgrind (cachegrind,
+no cache simulation): deterministic where times on a shared machine are not, and unlike bytecode counts it sees
+what C does for the bytecodes (an object made, a property read through map, a call with *args re-entering the
+interpreter).
+
+Each workload runs `--calls` and 11 x `--calls` times in two processes under valgrind; the difference over the
+extra calls is the cost of one (process start and imports cancel). The cyclic collector is off and the hash seed
+fixed. ~1 minute a workload.
+
+Run: `python extra/bench/op_instructions.py --only mul,add1` (beside main: `--tree ../main`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# workload -> the expression timed (x: a stored one-element float tensor; a, b: computed ones)
+WORKLOADS = {
+  "none": "None",
+  "add1": "x + 1",
+  "mul": "a * b",
+  "expr8": "((((a * 1.25 + 1.5).exp2() - 0.25).sqrt() * a).relu() + 1.25).log2()",
+  "reshape": "a.reshape(1, 1)",
+  "sum": "a.sum()",
+}
+
+_CHILD = """
+import gc, sys
+sys.path.insert(0, {root!r})
+import numpy as np
+from ourgrad import Tensor
+from ourgrad import lazy_trace
+x = Tensor(np.ones(1, np.float32), device="CLANG").realize()
+a, b = x * 2, x * 3
+build = lambda: {expression}
+gc.disable()
+for call in range({calls}):
+  build()
+  if call % 500 == 0: lazy_trace.invalidate()   # (the creation trace keeps what it traced alive)
+"""
+
+
+def instructions(root: pathlib.Path, expression: str, calls: int) -> int:
+  """Instructions executed by a process running `expression` `calls` times (valgrind's I refs)."""
+  script = _CHILD.format(root=str(root), expression=expression, calls=calls)
+  env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(root)}
+  run = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+                        sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+  return int(re.search(r"I\s+refs:\s+([\d,]+)", run.stderr).group(1).replace(",", ""))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--only", default="none,add1,mul")
+  parser.add_argument("--calls", type=int, default=2000)
+  parser.add_argument("--tree", default=str(ROOT), help="the checkout whose ourgrad is counted")
+  args = parser.parse_args()
+  root = pathlib.Path(args.tree).resolve()
+  for name in args.only.split(","):
+    few, many = (instructions(root, WORKLOADS[name], calls) for calls in (args.calls, 11 * args.calls))
+    print(f"{name:8s} {(many - few) / (10 * args.calls):9.0f} instructions a call ({WORKLOADS[name]}; {root})")
+
+
+if __name__ == "__main__":
+  main()
