@@ -22,12 +22,13 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-# workload -> the expression timed (x: a stored one-element float tensor; a, b: computed ones)
+# workload -> the expression timed (x: a stored one-element float tensor; a, b: computed ones; c: 1024 computed)
 WORKLOADS = {
   "none": "None",
   "add1": "x + 1",
   "mul": "a * b",
   "expr8": "((((a * 1.25 + 1.5).exp2() - 0.25).sqrt() * a).relu() + 1.25).log2()",
+  "expr8_1024": "((((c * 1.25 + 1.5).exp2() - 0.25).sqrt() * c).relu() + 1.25).log2()",
   "reshape": "a.reshape(1, 1)",
   "sum": "a.sum()",
 }
@@ -66,6 +67,7 @@ from ourgrad import Tensor
 from ourgrad import lazy_trace
 x = Tensor(np.ones(1, np.float32), device="CLANG").realize()
 a, b = x * 2, x * 3
+c = Tensor(np.ones(1024, np.float32), device="CLANG").realize() * 2
 build = lambda: {expression}
 gc.disable()
 for call in range({calls}):
