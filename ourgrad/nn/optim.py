@@ -408,13 +408,15 @@ class _AdamBase(Optimizer):
       return lazy.one_minus(lazy.exp(lazy.mul(t, math.log(beta))))  # beta**t with t read from memory
     return one_minus_power(self.b1), one_minus_power(self.b2)
 
-  def _moments(self, index: int, g: Lazy, node: Node, constants: tuple[Lazy, ...]) -> tuple[Lazy, Lazy]:
+  def _moments(self, index: int, g: Lazy, old: tuple[Lazy, Lazy], node: Node,
+               constants: tuple[Lazy, ...]) -> tuple[Lazy, Lazy]:
     """m = b1 * m + (1 - b1) * g and v = b2 * v + (1 - b2) * g * g (g float32), assigned; returns the new (m, v).
-    `constants` are (b1, 1 - b1, b2, 1 - b2) as operands of g's shape, `node` makes each base (`_node_maker`)."""
+    `old` is (m, v) as they are now (their tensors' lazydata), `constants` (b1, 1 - b1, b2, 1 - b2) as operands of g's
+    shape, and `node` makes each base (`_node_maker`)."""
     b1, one_minus_b1, b2, one_minus_b2 = constants[:4]
     m, v = self.m[index], self.v[index]
-    _write(m, node(ADD, None, (node(MUL, None, (m.lazydata, b1)), node(MUL, None, (g, one_minus_b1)))))
-    _write(v, node(ADD, None, (node(MUL, None, (v.lazydata, b2)),
+    _write(m, node(ADD, None, (node(MUL, None, (old[0], b1)), node(MUL, None, (g, one_minus_b1)))))
+    _write(v, node(ADD, None, (node(MUL, None, (old[1], b2)),
                                node(MUL, None, (node(MUL, None, (g, g)), one_minus_b2)))))
     # (each tensor's _lazydata is its newest version: _write set it)
     return m._lazydata, v._lazydata
@@ -499,7 +501,7 @@ class Adam(_AdamBase):
         g = lazy.add(g, lazy.mul(lazy.cast(weights, dtypes.float32), self.weight_decay))
       node = _node_maker(folding, weights, g, m, v)
       if decay_factor is not None: weights = node(MUL, None, (weights, lazy.per_step(decay_factor, weights)))
-      m, v = self._moments(index, g, node, constants)
+      m, v = self._moments(index, g, (m, v), node, constants)
       scaled_root = node(MUL, None, (node(SQRT, None, (v,)), lazy.per_step(inverse_sqrt_correction2, v)))
       denominator = node(ADD, None, (scaled_root, constants[4]))
       numerator = node(MUL, None, (lazy.per_step(minus_step_size, m), m))
@@ -545,7 +547,8 @@ class LAMB(_AdamBase):
     for param, grad in active:
       weights, index = param.detach(), index_of[id(param)]
       g = grad.lazydata.cast(dtypes.float32)
-      self._moments(index, g, _checked_node, self._operands(moment_values, g))
+      old = (self.m[index].lazydata, self.v[index].lazydata)
+      self._moments(index, g, old, _checked_node, self._operands(moment_values, g))
       m, v = self.m[index], self.v[index]
       update = (m / correction1) / ((v / correction2).sqrt() + self.eps)
       if self.weight_decay: update = update + self.weight_decay * weights
