@@ -128,11 +128,12 @@ class _LazyUpdate:
   def cast(x: Lazy, dtype: DType) -> Lazy: return x.cast(dtype)
 
 
-def _write(tensor: Tensor, value: Lazy) -> Tensor:
+def _write(tensor: Tensor, value: Lazy, current: Lazy | None = None) -> Tensor:
   """`tensor.assign(value)` for a lazy value (cast to the tensor's dtype); returns the tensor. A value of the
   tensor's shape, dtype and device written into a single device's buffer takes the short way, what assign does for
-  it: optimizer state and parameters are leaves and the value has no Function, so there is no autograd to adopt."""
-  target = tensor.lazydata
+  it: optimizer state and parameters are leaves and the value has no Function, so there is no autograd to adopt.
+  `current`: the tensor's lazydata as the caller read it in this step, before any write (saves reading it again)."""
+  target = tensor.lazydata if current is None else current
   if type(target) is LazyBuffer and type(value) is LazyBuffer and tensor._ctx is None and \
       value.shape == target.shape and value.dtype == target.dtype and value.device == target.device:
     jit_recording.note_assign(tensor)   # (as Tensor.assign: a TinyJit call realizes the assigns it made)
@@ -415,9 +416,9 @@ class _AdamBase(Optimizer):
     shape, and `node` makes each base (`_node_maker`)."""
     b1, one_minus_b1, b2, one_minus_b2 = constants[:4]
     m, v = self.m[index], self.v[index]
-    _write(m, node(ADD, None, (node(MUL, None, (old[0], b1)), node(MUL, None, (g, one_minus_b1)))))
+    _write(m, node(ADD, None, (node(MUL, None, (old[0], b1)), node(MUL, None, (g, one_minus_b1)))), old[0])
     _write(v, node(ADD, None, (node(MUL, None, (old[1], b2)),
-                               node(MUL, None, (node(MUL, None, (g, g)), one_minus_b2)))))
+                               node(MUL, None, (node(MUL, None, (g, g)), one_minus_b2)))), old[1])
     # (each tensor's _lazydata is its newest version: _write set it)
     return m._lazydata, v._lazydata
 
@@ -495,6 +496,7 @@ class Adam(_AdamBase):
     for param, grad in active:
       index = index_of[id(param)]
       weights, g = param.lazydata, lazy.cast(grad.lazydata, dtypes.float32)
+      stored = weights   # (the parameter as it is now: the decay below makes a new `weights`)
       m, v = self.m[index].lazydata, self.v[index].lazydata
       constants = self._operands(values, g)
       if self.weight_decay and decay_factor is None:   # Adam's L2 term: weight_decay * p added to the gradient
@@ -507,7 +509,7 @@ class Adam(_AdamBase):
       numerator = node(MUL, None, (lazy.per_step(minus_step_size, m), m))
       step = node(MUL, None, (numerator, node(RECIP, None, (denominator,))))
       new_weights = node(ADD, None, (weights, lazy.cast(step, param.dtype)))
-      updated += [self.m[index], self.v[index], _write(param, new_weights)]
+      updated += [self.m[index], self.v[index], _write(param, new_weights, stored)]
     return updated
 
 
