@@ -560,16 +560,9 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
       for parent, parent_ctx, needed, parent_grad in zip(ctx.parents, ctx.parent_ctxs, ctx.needs_input_grad,
                                                          input_grads):
         if parent_grad is None or not needed: continue
-        parent_lazy = parent._lazydata
-        if parent_grad.shape != parent_lazy.shape:
+        if parent_grad.shape != parent._lazydata.shape:
           raise AssertionError(f"grad shape {parent_grad.shape} != {parent.shape}")
-        # _gradient_for's common case written out (every edge of the walk): a computed gradient on the parent's device
-        if type(parent_grad) is LazyBuffer and type(parent_lazy) is LazyBuffer and \
-            parent_grad.device == parent_lazy.device:
-          base = parent_grad._base or parent_grad   # (a LazyBuffer is always true)
-          if base.realized is not None or base.op is ASSIGN: parent_grad = _own_value(parent_grad)
-        else:
-          parent_grad = _gradient_for(parent, parent_grad)
+        parent_grad = _gradient_for(parent, parent_grad)
         if parent_ctx is None:  # a leaf: its gradient is complete at the end of the walk
           known = found.get(id(parent))
           found[id(parent)] = (parent, parent_grad if known is None else _accumulate(known[1], parent_grad))
