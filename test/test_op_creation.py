@@ -453,6 +453,21 @@ def test_adam_update_with_a_constant_gradient_is_the_tensor_formulas() -> None:
   for ours, formula in zip(values, formula_values): np.testing.assert_array_equal(ours, formula)
 
 
+def test_adam_update_with_constant_moments_takes_the_checked_path() -> None:
+  """Moments that are constants (state set to Tensor.zeros, not a stored buffer) take elementwise's path (a constant
+  operand may fold): the same parameters, bit for bit, as moments stored as zeros."""
+  start, gradients = _values(4, 3), [_values(4, 3) for _ in range(2)]
+  def run(constant_state: bool) -> np.ndarray:
+    param = Tensor(start, requires_grad=True)
+    optimizer = Adam([param], lr=0.01)
+    if constant_state: optimizer.m[0], optimizer.v[0] = Tensor.zeros(4, 3), Tensor.zeros(4, 3)
+    for gradient in gradients:
+      param.grad = Tensor(gradient) * 1.5
+      Tensor.realize_all(*optimizer.schedule_step())
+    return param.numpy()
+  np.testing.assert_array_equal(run(True), run(False))
+
+
 def test_adam_update_bases_and_elementwise_calls_per_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
   """Each parameter's Adam update is 17 bases (14 elementwise ops and the 3 assigns of m, v and the parameter), each
   made by one create_base call, no elementwise call (optim._node_maker); the per-step math is built once however
