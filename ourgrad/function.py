@@ -629,8 +629,9 @@ class MaxToOne(Function):
     # test (the CPU's max-pool backward then ran scalar, 3.5x slower).
     not_max = _where(is_nan, rank.elementwise(NEG), rank.operand_like(rank.dtype.min))
     key = _where_equal(x, self.result.expand(x.shape), rank, not_max)
+    # (the zeros a shared operand constant of x's shape: no new view of the reduced shape's zeros each step)
     grad = _where_equal(key, key.reduce(MAX_REDUCE, self.axes).expand(x.shape), grad_output.expand(x.shape),
-                        grad_output.operand_like(0).expand(x.shape))
+                        x.operand_like(0, grad_output.dtype))
     return grad, None
 
 
