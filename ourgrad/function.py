@@ -163,6 +163,12 @@ def _not(mask: LazyBuffer) -> LazyBuffer: return mask.elementwise(CMPNE, mask.op
 def _equal(a: LazyBuffer, b: LazyBuffer) -> LazyBuffer: return _not(a.elementwise(CMPNE, b))
 
 
+def _where_equal(x: LazyBuffer, y: LazyBuffer, a: LazyBuffer, b: LazyBuffer) -> LazyBuffer:
+  """a where x == y, else b: the select on x != y with its branches swapped (one compare; `_equal` is two). The same
+  values for every x and y, NaN included (x == y is false exactly where x != y is true)."""
+  return x.elementwise(CMPNE, y).elementwise(WHERE, b, a)
+
+
 def _widen(x: LazyBuffer) -> LazyBuffer:
   """float16/bfloat16 as float32: their exp, log and sigmoid compute in float32 and round once, as in PyTorch. In 11
   (or 8) bits the constant 1/ln 2 and the scaled argument would each be rounded: several ulps off for large |x|."""
@@ -247,9 +253,11 @@ class Relu(Function):
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    # the result is >= 0 or NaN: the gradient passes where it is not 0 (at NaN too, as in torch)
+    # the result is >= 0 or NaN: the gradient passes where it is not 0 (at NaN too), else it is +0.0 whatever the
+    # gradient (a select, as torch's threshold_backward: a product with the mask gave -0.0 for a negative gradient
+    # and NaN for an infinite one)
     passes = self.result.elementwise(CMPNE, self.result.operand_like(0))
-    return _mul(passes.cast(grad_output.dtype), grad_output)
+    return passes.elementwise(WHERE, grad_output, grad_output.operand_like(0))
 
 
 class Log(Function):
@@ -444,7 +452,7 @@ class Maximum(Function):
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
     zero = grad_output.operand_like(0)
-    shared = _where(_equal(self.x, self.y), _scale(grad_output, 0.5), grad_output)
+    shared = _where_equal(self.x, self.y, _scale(grad_output, 0.5), grad_output)
     return (_where(self.x.elementwise(CMPLT, self.y), zero, shared) if self.needs_input_grad[0] else None,
             _where(self.y.elementwise(CMPLT, self.x), zero, shared) if self.needs_input_grad[1] else None)
 
@@ -477,7 +485,7 @@ class Pow(Function):
     grad_x = grad_y = None
     if self.needs_input_grad[0]:
       power = _where(self.is_one_below, one, _mul(self.sign_below, _magnitude_pow(x, _sub(y, one))))
-      grad_x = _mul(_where(_equal(y, zero), zero, _mul(y, power)), grad_output)
+      grad_x = _mul(_where_equal(y, zero, zero, _mul(y, power)), grad_output)
     if self.needs_input_grad[1]:
       log_x = _scale(_widen(x).elementwise(LOG2), math.log(2)).cast(x.dtype)
       y_not_negative = zero.elementwise(CMPLT, y).elementwise(OR, _equal(y, zero))  # False for NaN
@@ -639,9 +647,10 @@ class MaxToOne(Function):
     # Two nested selects, not one on `x == max | x != x`: gcc 12 does not vectorize that OR of an equality and a NaN
     # test (the CPU's max-pool backward then ran scalar, 3.5x slower).
     not_max = _where(is_nan, rank.elementwise(NEG), rank.operand_like(rank.dtype.min))
-    key = _where(_equal(x, self.result.expand(x.shape)), rank, not_max)
-    chosen = _equal(key, key.reduce(MAX_REDUCE, self.axes).expand(x.shape))
-    grad = _where(chosen, grad_output.expand(x.shape), grad_output.operand_like(0).expand(x.shape))
+    key = _where_equal(x, self.result.expand(x.shape), rank, not_max)
+    # (the zeros a shared operand constant of x's shape: no new view of the reduced shape's zeros each step)
+    grad = _where_equal(key, key.reduce(MAX_REDUCE, self.axes).expand(x.shape), grad_output.expand(x.shape),
+                        x.operand_like(0, grad_output.dtype))
     return grad, None
 
 

@@ -491,17 +491,19 @@ class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, Activ
     order: list[F.Function] = []
     entered: set[F.Function] = set()   # (a Function hashes by identity)
     # a Function on the stack is to be entered; a 1-tuple holding one is to be emitted, its inputs all emitted
+    # (None, a leaf input's Function, and Functions entered already are skipped when popped: the inputs are pushed
+    # by one extend, in C, rather than tested one by one here)
     stack: list[Any] = [self._ctx]
     while stack:
       item = stack.pop()
+      if item is None: continue
       if type(item) is tuple:
         order.append(item[0])
         continue
       if item in entered: continue
       entered.add(item)
       stack.append((item,))
-      for parent_ctx in item.parent_ctxs:
-        if parent_ctx is not None and parent_ctx not in entered: stack.append(parent_ctx)
+      stack.extend(item.parent_ctxs)
     return order
 
   def backward(self, gradient: Tensor | None = None) -> Tensor:

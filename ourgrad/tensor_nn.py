@@ -262,9 +262,10 @@ class LayerNormalize(F.Function):
     result = self.rstd
     grad_variance = F._scale(F._mul(grad_rstd, F._mul(result, F._mul(result, result))), -0.5)
     grad_squares = _mean_backward(grad_variance, shape, self.count)
-    # the square's two factors, each added to the gradient of `centered` in the order the walk reached them
-    grad_centered = grad_centered.elementwise(ADD, F._mul(self.centered, grad_squares))
-    grad_centered = grad_centered.elementwise(ADD, F._mul(self.centered, grad_squares))
+    # the square's two factors, each added to the gradient of `centered` in the order the walk reached them (the
+    # composed walk built their equal products twice: one base read twice here, the same values)
+    square_factor = F._mul(self.centered, grad_squares)
+    grad_centered = grad_centered.elementwise(ADD, square_factor).elementwise(ADD, square_factor)
     # centered = x - mean: x directly, then through the mean
     grad_mean = F._sum_to_shape(grad_centered.elementwise(NEG), reduced)
     grads[0], grads[1] = grad_centered, _mean_backward(grad_mean, shape, self.count)

@@ -257,3 +257,67 @@ def test_saved_values_are_checked_only_after_an_in_place_write(monkeypatch: pyte
   w.assign(Tensor(np.ones(6, np.float32)))
   with pytest.raises(AutogradError, match="modified by an inplace operation"):
     product.sum().backward()
+
+
+def test_selects_on_equality_match_torch_with_ties_and_nans() -> None:
+  """maximum's, pow's and max pooling's backward select on x == y as the select on x != y with its branches swapped
+  (function._where_equal, one compare): ties split or pick as PyTorch does, and NaN compares unequal. Gradients
+  against PyTorch."""
+  x_value = np.array([1.0, 2.0, np.nan, -1.0, 3.0, 0.0], np.float32)
+  y_value = np.array([1.0, 5.0, 2.0, np.nan, 3.0, 0.0], np.float32)
+  x, y = Tensor(x_value, requires_grad=True), Tensor(y_value, requires_grad=True)
+  x.maximum(y).sum().backward()
+  tx, ty = torch.tensor(x_value, requires_grad=True), torch.tensor(y_value, requires_grad=True)
+  torch.maximum(tx, ty).sum().backward()
+  np.testing.assert_array_equal(x.grad.numpy(), tx.grad.numpy())
+  np.testing.assert_array_equal(y.grad.numpy(), ty.grad.numpy())
+  base, exponent = np.array([2.0, 0.0, 3.0, 0.5], np.float32), np.array([0.0, 0.0, 2.0, 1.0], np.float32)
+  b = Tensor(base, requires_grad=True)
+  (b ** Tensor(exponent)).sum().backward()
+  tb = torch.tensor(base, requires_grad=True)
+  (tb ** torch.tensor(exponent)).sum().backward()
+  np.testing.assert_allclose(b.grad.numpy(), tb.grad.numpy(), rtol=1e-6)
+  # pooling windows with tied maxima and a NaN: the gradient goes to the one element PyTorch picks
+  image = np.array([[[[1.0, 1.0, 0.0, 2.0], [1.0, 0.5, 2.0, 2.0], [np.nan, 3.0, 4.0, 4.0], [3.0, np.nan, 4.0, 1.0]]]],
+                   np.float32)
+  grad_value = np.arange(1.0, 5.0, dtype=np.float32).reshape(1, 1, 2, 2)
+  pooled = Tensor(image, requires_grad=True)
+  (pooled.max_pool2d(2) * Tensor(grad_value)).sum().backward()
+  reference = torch.tensor(image, requires_grad=True)
+  (TF.max_pool2d(reference, 2) * torch.tensor(grad_value)).sum().backward()
+  np.testing.assert_array_equal(pooled.grad.numpy(), reference.grad.numpy())
+
+
+def test_max_pool_backward_bases(monkeypatch: pytest.MonkeyPatch) -> None:
+  """A max pool's backward (function.MaxToOne) builds 8 bases: the NaN test, the negated rank and the select of the
+  non-maxima, the key's compare and select, its max, and the gradient's compare and select (one compare a select on
+  equality: `_where_equal`)."""
+  from ourgrad.lazy import LazyBuffer
+  x = Tensor(np.random.default_rng(0).standard_normal((1, 2, 4, 4)).astype(np.float32), requires_grad=True)
+  pool = x.max_pool2d(2)._ctx
+  while not isinstance(pool, F.MaxToOne): pool = pool.parents[0]._ctx   # (the reshapes after the max)
+  made = [0]
+  original = LazyBuffer.create_base
+
+  def counting(*args: Any, **kwargs: Any) -> Any:
+    made[0] += 1
+    return original(*args, **kwargs)
+  grad_output = Tensor(np.ones(pool.result.shape, np.float32)).lazydata
+  pool.backward(grad_output)   # (the shared operand constants made)
+  monkeypatch.setattr(LazyBuffer, "create_base", staticmethod(counting))
+  pool.backward(grad_output)
+  assert made[0] == 8
+
+
+def test_relu_backward_is_torchs_select() -> None:
+  """relu's gradient is +0.0 where the result is 0 whatever the incoming gradient (torch's threshold_backward: a
+  product with the mask gave -0.0 for a negative gradient and NaN for an infinite one) and passes where it is NaN."""
+  x_value = np.array([-1.0, 2.0, 0.0, np.nan, -0.0], np.float32)
+  grad_value = np.array([-3.0, -3.0, np.inf, 2.0, np.nan], np.float32)
+  x = Tensor(x_value, requires_grad=True)
+  x.relu().backward(Tensor(grad_value))
+  reference = torch.tensor(x_value, requires_grad=True)
+  reference.relu().backward(torch.tensor(grad_value))
+  ours, theirs = x.grad.numpy(), reference.grad.numpy()
+  np.testing.assert_array_equal(ours, theirs)
+  np.testing.assert_array_equal(np.signbit(ours), np.signbit(theirs))

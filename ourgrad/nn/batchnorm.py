@@ -112,7 +112,8 @@ class BatchNormNormalize(Function):
     x, mean, invstd = x.cast(dtype), mean.cast(dtype), invstd.cast(dtype)
     weight, bias = (None if operand is None else operand.cast(dtype) for operand in (weight, bias))
     self.x, self.mean, self.invstd, self.weight = x, mean, invstd, weight
-    out = self._normalized()
+    # xhat, read again by the backward: the same lazy bases (it fuses into each kernel reading it, never stored)
+    out = self.xhat = self._normalized()
     if weight is not None: out = _mul(out, per_channel(weight, x.shape))
     if bias is not None: out = out.elementwise(ADD, per_channel(bias, x.shape))
     return out
@@ -125,7 +126,7 @@ class BatchNormNormalize(Function):
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:
     grad, shape = grad_output, self.x.shape
     count = math.prod(shape[axis] for axis in channel_reduce_axes(len(shape)))
-    xhat = self._normalized()
+    xhat = self.xhat
     # the two independent sums over the same inputs: one kernel of sibling reduces on a GPU
     grad_sum, grad_xhat_sum = channel_sum(grad), channel_sum(_mul(grad, xhat))
     grad_x = None

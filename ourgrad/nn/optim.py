@@ -28,9 +28,10 @@ LAMB follows the paper (You et al., 2019, "Large Batch Optimization for Deep Lea
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -40,7 +41,7 @@ from ourgrad.errors import AutogradError, DTypeError
 from ourgrad.lazy import LazyBuffer, _broadcast_scalar
 from ourgrad.mixed_precision import LOW_FLOAT_DTYPES, suspend_autocast
 from ourgrad.multi import MultiLazyBuffer, is_assignable
-from ourgrad.ops import ADD, EXP2, MUL, NEG, RECIP, SQRT
+from ourgrad.ops import ADD, CONST, EXP2, MUL, NEG, RECIP, SQRT, Ops
 from ourgrad.tensor import Tensor, no_grad
 
 Lazy = LazyBuffer | MultiLazyBuffer
@@ -127,15 +128,16 @@ class _LazyUpdate:
   def cast(x: Lazy, dtype: DType) -> Lazy: return x.cast(dtype)
 
 
-def _write(tensor: Tensor, value: Lazy) -> Tensor:
+def _write(tensor: Tensor, value: Lazy, current: Lazy | None = None) -> Tensor:
   """`tensor.assign(value)` for a lazy value (cast to the tensor's dtype); returns the tensor. A value of the
   tensor's shape, dtype and device written into a single device's buffer takes the short way, what assign does for
-  it: optimizer state and parameters are leaves and the value has no Function, so there is no autograd to adopt."""
-  target = tensor._lazydata
+  it: optimizer state and parameters are leaves and the value has no Function, so there is no autograd to adopt.
+  `current`: the tensor's lazydata as the caller read it in this step, before any write (saves reading it again)."""
+  target = tensor.lazydata if current is None else current
   if type(target) is LazyBuffer and type(value) is LazyBuffer and tensor._ctx is None and \
       value.shape == target.shape and value.dtype == target.dtype and value.device == target.device:
     jit_recording.note_assign(tensor)   # (as Tensor.assign: a TinyJit call realizes the assigns it made)
-    tensor.lazydata = tensor.lazydata.write(value)
+    tensor._lazydata = target.write(value)   # (the lazydata setter's assignment, without its call)
     return tensor
   return tensor.assign(Tensor(value))
 
@@ -327,7 +329,8 @@ class Optimizer(metaclass=_ParamGroupsMeta):
       return [tensor for optimizer in self._group_optimizers for tensor in optimizer.schedule_step()]
     # an optimizer's math is on float32 master weights: autocast (a step inside an autocast block) never casts it
     with no_grad(), suspend_autocast():
-      active = [(param, param.grad.detach()) for param in self.params if param.grad is not None]
+      # (the gradients as they are, not detached: under no_grad nothing the step builds records a Function)
+      active = [(param, param.grad) for param in self.params if param.grad is not None]
       if not active: return []
       for param, grad in active:
         if grad.shape != param.shape:
@@ -337,7 +340,7 @@ class Optimizer(metaclass=_ParamGroupsMeta):
     return updated
 
   def _updates(self, active: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
-    """Assign the new values of the parameters in `active` (param, detached grad) and of the optimizer state;
+    """Assign the new values of the parameters in `active` (param, its gradient) and of the optimizer state;
     return every tensor assigned to."""
     raise NotImplementedError
 
@@ -390,6 +393,7 @@ class _AdamBase(Optimizer):
     self.m: list[Tensor] = [_state_like(param) for param in self.params]
     self.v: list[Tensor] = [_state_like(param) for param in self.params]
     self.t: Tensor = _scalar_buffer(0.0, self.device)  # steps taken (a buffer, so every step runs the same kernels)
+    self._constants_made: dict[tuple, tuple[LazyBuffer, ...]] = {}   # (_operands)
 
   def _count_step(self, lazy: _LazyUpdate) -> None:
     """t = t + 1, assigned."""
@@ -405,12 +409,60 @@ class _AdamBase(Optimizer):
       return lazy.one_minus(lazy.exp(lazy.mul(t, math.log(beta))))  # beta**t with t read from memory
     return one_minus_power(self.b1), one_minus_power(self.b2)
 
-  def _moments(self, index: int, g: Lazy, lazy: _LazyUpdate) -> tuple[Lazy, Lazy]:
-    """m = b1 * m + (1 - b1) * g and v = b2 * v + (1 - b2) * g * g (g float32), assigned; returns the new (m, v)."""
+  def _moments(self, index: int, g: Lazy, old: tuple[Lazy, Lazy], node: Node,
+               constants: tuple[Lazy, ...]) -> tuple[Lazy, Lazy]:
+    """m = b1 * m + (1 - b1) * g and v = b2 * v + (1 - b2) * g * g (g float32), assigned; returns the new (m, v).
+    `old` is (m, v) as they are now (their tensors' lazydata), `constants` (b1, 1 - b1, b2, 1 - b2) as operands of g's
+    shape, and `node` makes each base (`_node_maker`)."""
+    b1, one_minus_b1, b2, one_minus_b2 = constants[:4]
     m, v = self.m[index], self.v[index]
-    _write(m, lazy.add(lazy.mul(m.lazydata, self.b1), lazy.mul(g, 1.0 - self.b1)))
-    _write(v, lazy.add(lazy.mul(v.lazydata, self.b2), lazy.mul(lazy.mul(g, g), 1.0 - self.b2)))
-    return m.lazydata, v.lazydata
+    _write(m, node(ADD, None, (node(MUL, None, (old[0], b1)), node(MUL, None, (g, one_minus_b1)))), old[0])
+    _write(v, node(ADD, None, (node(MUL, None, (old[1], b2)),
+                               node(MUL, None, (node(MUL, None, (g, g)), one_minus_b2)))), old[1])
+    # (each tensor's _lazydata is its newest version: _write set it)
+    return m._lazydata, v._lazydata
+
+  def _operands(self, values: tuple[float, ...], like: Lazy) -> tuple[Lazy, ...]:
+    """`values` as operands of `like`'s shape and dtype (`_LazyUpdate.constant`); a single device's, remembered
+    across steps by (values, shape, dtype, device): a parameter's update reads five."""
+    if type(like) is not LazyBuffer or not like.shape:
+      return tuple(_LazyUpdate().constant(value, like) for value in values)
+    key = (values, like.shape, like.dtype, like.device)
+    known = self._constants_made.get(key)
+    if known is None:
+      known = self._constants_made[key] = tuple(LazyBuffer.operand_constant(value, like.shape, like.dtype, like.device)
+                                                for value in values)
+    return known
+
+
+# makes one base of an optimizer's update: (op, arg, sources) -> the op's result
+Node = Callable[[Ops, Any, tuple], Lazy]
+
+
+def _checked_node(op: Ops, arg: Any, srcs: tuple) -> Lazy:
+  """A base made through elementwise, which folds constants and checks operands (the general node maker)."""
+  return srcs[0].elementwise(op, *srcs[1:], arg=arg)
+
+
+def _node_maker(folding: bool, weights: Lazy, g: Lazy, m: Lazy, v: Lazy) -> Node:
+  """How the bases of one parameter's update are made: `create_base` itself (a partial: a call in C, no frame) where
+  elementwise would make exactly that base for every op of the update, because the parameter, its gradient and its
+  moments are float32 values of one shape on one device, none of them a constant (a constant may fold), and no
+  hyper-parameter constant folds (`folding`: `_folding`); else `_checked_node`. Building through elementwise's checks
+  was most of an update's cost per op."""
+  if folding: return _checked_node
+  shape, device = weights.shape, weights.device
+  for lazy in (weights, g, m, v):
+    if type(lazy) is not LazyBuffer or lazy.dtype is not dtypes.float32 or lazy.shape != shape or \
+        lazy.device != device or (lazy._base or lazy).op is CONST:
+      return _checked_node
+  return functools.partial(LazyBuffer.create_base, device, shape, dtypes.float32)
+
+
+def _folding(values: tuple[float, ...]) -> bool:
+  """Whether a hyper-parameter constant among `values` may fold with a computed operand in elementwise (x * 1 is x,
+  x + -0.0 is x: a 1 or a zero; a NaN too, to be safe)."""
+  return 0.0 in values or 1.0 in values or any(value != value for value in values)
 
 
 class Adam(_AdamBase):
@@ -439,17 +491,25 @@ class Adam(_AdamBase):
     inverse_sqrt_correction2 = lazy.sqrt(correction2).elementwise(RECIP)
     decay_factor = self._decay_factor(lazy)
     updated: list[Tensor] = [self.t]
+    values = (float(self.b1), 1.0 - float(self.b1), float(self.b2), 1.0 - float(self.b2), float(self.eps))
+    folding = _folding(values)
     for param, grad in active:
       index = index_of[id(param)]
       weights, g = param.lazydata, lazy.cast(grad.lazydata, dtypes.float32)
+      stored = weights   # (the parameter as it is now: the decay below makes a new `weights`)
+      m, v = self.m[index].lazydata, self.v[index].lazydata
+      constants = self._operands(values, g)
       if self.weight_decay and decay_factor is None:   # Adam's L2 term: weight_decay * p added to the gradient
         g = lazy.add(g, lazy.mul(lazy.cast(weights, dtypes.float32), self.weight_decay))
-      if decay_factor is not None: weights = lazy.mul(weights, lazy.per_step(decay_factor, weights))
-      m, v = self._moments(index, g, lazy)
-      denominator = lazy.add(lazy.mul(lazy.sqrt(v), lazy.per_step(inverse_sqrt_correction2, v)),
-                             lazy.constant(self.eps, v))
-      step = lazy.div(lazy.mul(lazy.per_step(minus_step_size, m), m), denominator)
-      updated += [self.m[index], self.v[index], _write(param, lazy.add(weights, lazy.cast(step, param.dtype)))]
+      node = _node_maker(folding, weights, g, m, v)
+      if decay_factor is not None: weights = node(MUL, None, (weights, lazy.per_step(decay_factor, weights)))
+      m, v = self._moments(index, g, (m, v), node, constants)
+      scaled_root = node(MUL, None, (node(SQRT, None, (v,)), lazy.per_step(inverse_sqrt_correction2, v)))
+      denominator = node(ADD, None, (scaled_root, constants[4]))
+      numerator = node(MUL, None, (lazy.per_step(minus_step_size, m), m))
+      step = node(MUL, None, (numerator, node(RECIP, None, (denominator,))))
+      new_weights = node(ADD, None, (weights, lazy.cast(step, param.dtype)))
+      updated += [self.m[index], self.v[index], _write(param, new_weights, stored)]
     return updated
 
 
@@ -482,12 +542,15 @@ class LAMB(_AdamBase):
   def _updates(self, active: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
     index_of = {id(param): index for index, param in enumerate(self.params)}
     lazy = _LazyUpdate()
+    moment_values = (float(self.b1), 1.0 - float(self.b1), float(self.b2), 1.0 - float(self.b2))
     self._count_step(lazy)
     correction1, correction2 = (Tensor(value, requires_grad=False) for value in self._bias_corrections(lazy))
     updated: list[Tensor] = [self.t]
     for param, grad in active:
       weights, index = param.detach(), index_of[id(param)]
-      self._moments(index, grad.lazydata.cast(dtypes.float32), lazy)
+      g = grad.lazydata.cast(dtypes.float32)
+      old = (self.m[index].lazydata, self.v[index].lazydata)
+      self._moments(index, g, old, _checked_node, self._operands(moment_values, g))
       m, v = self.m[index], self.v[index]
       update = (m / correction1) / ((v / correction2).sqrt() + self.eps)
       if self.weight_decay: update = update + self.weight_decay * weights
