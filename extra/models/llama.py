@@ -400,24 +400,21 @@ class LlamaBlock:
                sequence: Tensor) -> Tensor:
     """x (1, B, dim) of a prompt padded to B tokens; cos/sin (B, head_dim) from `rope_inputs`; `visible` (B, A) bool:
     which of the first A cache slots each row attends to; `sequence` (1,) int32: the cache row of this prompt (`write`
-    marks slots of that row only). Grouped-query attention by folding the query heads that share a KV head into the
-    rows of one matmul per KV head: (kv, group * B, hd) @ (kv, hd, A), keys read once."""
+    marks slots of that row only). Grouped-query attention (`enable_gqa`): without a gradient to record,
+    scaled_dot_product_attention folds the query heads that share a KV head into the rows of one matmul per KV head,
+    (kv, group * B, hd) @ (kv, hd, A), keys read once, and builds its graph on lazy buffers (tensor_attention.py)."""
     config = self.config
     batch, length, _ = x.shape
     heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-    group, attended_slots = heads // kv_heads, visible.shape[-1]
+    attended_slots = visible.shape[-1]
     q = self._project_prefill(x, cos, sin, write, placement)  # (1, B, heads, hd)
     # read after the write (one kernel writes the cache, none copies it); several sequences: the prompt's row, an
     # indexed read of a host-made index, so one capture serves every row
     cache = self.cache[0, :attended_slots] if self.cache.shape[0] == 1 else self.cache[sequence][0, :attended_slots]
-    keys = cache[:, :kv_heads].permute(1, 2, 0)  # (kv, hd, A)
-    values = cache[:, kv_heads:].permute(1, 0, 2)  # (kv, A, hd)
-    q = q.reshape(length, heads, head_dim).permute(1, 0, 2).reshape(kv_heads, group * length, head_dim)
-    scores = (q @ keys * (1.0 / math.sqrt(head_dim))).reshape(kv_heads, group, length, attended_slots)
-    # every row sees slot 0 at least: no row is all -inf, the plain softmax is safe
-    weights = visible.where(scores, -math.inf).softmax(-1).reshape(kv_heads, group * length, attended_slots)
-    attended = (weights @ values).reshape(heads, length, head_dim).permute(1, 0, 2)  # (B, heads, hd)
-    return self._feed_forward(x, attended.reshape(batch, length, config.dim))
+    keys, values = cache[:, :kv_heads].permute(1, 0, 2), cache[:, kv_heads:].permute(1, 0, 2)  # (kv, A, hd)
+    attended = q.reshape(length, heads, head_dim).permute(1, 0, 2).scaled_dot_product_attention(
+      keys, values, attn_mask=visible, enable_gqa=True)  # (heads, B, hd)
+    return self._feed_forward(x, attended.permute(1, 0, 2).reshape(batch, length, config.dim))
 
   def decode(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, visible: int | Node,
              mask: Tensor | None, used: Node | None = None) -> Tensor:
