@@ -105,6 +105,8 @@ def main() -> None:
   parser.add_argument("--calls", type=int, default=10, help="prefills per timing (best of 3)")
   parser.add_argument("--lines", action="store_true", help="one block's bytecodes by the model's line")
   parser.add_argument("--files", action="store_true", help="one block's bytecodes by file")
+  parser.add_argument("--block-only", action="store_true", help="no prefill run, only one block's graph (an emulated "
+                      "device: DEVICE=PYTHON EMULATE=CUDA builds CUDA's graph without running its kernels)")
   args = parser.parse_args()
   device = Device.canonicalize(args.device)
   cuda = device == "CUDA"
@@ -118,31 +120,43 @@ def main() -> None:
   sync = Device[device].synchronize
 
   def call() -> None: model(prompt, 0)
+  if not args.block_only: time_prefills(call, sync, args.calls, cuda, f"({layers} blocks, {length} tokens, {device})")
+  block_graph(model, prompt, device, args.lines, args.files)
+
+
+def time_prefills(call: Callable[[], None], sync: Callable[[], None], calls: int, cuda: bool, label: str) -> None:
+  """The wall, host and thread CPU time of eager prefills (best of 3 runs of `calls`), and one's bytecodes and bases."""
   for _ in range(3): call()   # compile, fill the schedule cache
   sync()
   with host_kernels_disabled(not cuda):
-    for label, clock, wait in (("wall", time.perf_counter, True), ("host", time.perf_counter, False),
+    for name, clock, wait in (("wall", time.perf_counter, True), ("host", time.perf_counter, False),
                                ("thread CPU", time.thread_time, False)):
       best = float("inf")
       for _ in range(3):
         sync()
         start = clock()
-        for _ in range(args.calls): call()
+        for _ in range(calls): call()
         if wait: sync()
-        best = min(best, (clock() - start) / args.calls)
+        best = min(best, (clock() - start) / calls)
       sync()
-      print(f"{label:10} per prefill {best * 1e3:8.2f} ms  ({layers} blocks, {length} tokens, {device})")
+      print(f"{name:10} per prefill {best * 1e3:8.2f} ms  {label}")
     where = split_by_realize(call)
     print(f"bytecodes per prefill: graph {where['graph']}, realize {where['realize']}; "
           f"lazy bases {count_bases(call)}")
     sync()
-  block = model.blocks[min(1, layers - 1)]
+
+
+def block_graph(model: llama.Llama, prompt: np.ndarray, device: str, lines: bool, files: bool) -> None:
+  """One block's graph (the second's, as a prefill from position 0 builds it): its bytecodes and bases, by model line
+  (`lines`) and by file (`files`)."""
+  length = prompt.shape[1]
+  block = model.blocks[min(1, len(model.blocks) - 1)]
   inputs = model._position_inputs(0, length, length)
   x = model.embed(Tensor(prompt, device=device)).realize()
-  visible = model.slots[:length].reshape(1, length) <= inputs["positions"].reshape(-1, 1)
-  cos, sin = (table.reshape(1, length, 1, table.shape[1]) for table in (inputs["cos"], inputs["sin"]))
+  cos, sin, write, visible = model._block_inputs(inputs["cos"], inputs["sin"], inputs["write"], inputs["positions"],
+                                                 length)
 
-  def one_block() -> None: block(x, cos, sin, inputs["write"], inputs["placement"], visible, inputs["sequence"])
+  def one_block() -> None: block(x, cos, sin, write, inputs["placement"], visible, inputs["sequence"])
   one_block()
   lines: collections.Counter[tuple[str, int]] = collections.Counter()
   files: collections.Counter[str] = collections.Counter()
@@ -154,10 +168,10 @@ def main() -> None:
   traced(one_block, note)
   print(f"one block: {sum(files.values())} bytecodes, {count_bases(one_block)} lazy bases")
   source = pathlib.Path(MODEL_FILE).read_text().splitlines()
-  if args.lines:
+  if lines:
     for (function, line), count in lines.most_common():
       print(f"  {count:7d}  {function}:{line}  {source[line - 1].strip()[:90]}")
-  if args.files:
+  if files:
     for name, count in files.most_common(): print(f"  {count:7d}  {name}")
 
 
