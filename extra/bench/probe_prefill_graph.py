@@ -153,8 +153,13 @@ def block_graph(model: llama.Llama, prompt: np.ndarray, device: str, lines: bool
   block = model.blocks[min(1, len(model.blocks) - 1)]
   inputs = model._position_inputs(0, length, length)
   x = model.embed(Tensor(prompt, device=device)).realize()
-  cos, sin, write, visible = model._block_inputs(inputs["cos"], inputs["sin"], inputs["write"], inputs["positions"],
-                                                 length)
+  if hasattr(model, "_block_inputs"):
+    cos, sin, write, visible = model._block_inputs(inputs["cos"], inputs["sin"], inputs["write"],
+                                                   inputs["positions"], length)
+  else:   # (a tree from before Llama._block_inputs: the blocks read the tables as (1, B, 1, hd))
+    visible = model.slots[:length].reshape(1, length) <= inputs["positions"].reshape(-1, 1)
+    cos, sin = (table.reshape(1, length, 1, table.shape[1]) for table in (inputs["cos"], inputs["sin"]))
+    write = inputs["write"]
 
   def one_block() -> None: block(x, cos, sin, write, inputs["placement"], visible, inputs["sequence"])
   one_block()
