@@ -92,3 +92,25 @@ def test_refusals() -> None:
   q4, k2 = Tensor(_operands((1, 4, 3, 8))[0]), Tensor(_operands((1, 2, 3, 8))[0])
   assert "heads" in composite_attention_refusal(q4, k2, k2, None, 0.0, False)
   assert composite_attention_refusal(q4, k2, k2, None, 0.0, True) is None
+
+
+def test_one_index_tensor_reads_its_rows() -> None:
+  """x[idx] for one integer tensor: the rows it picks (negative from the end, outside [-n, n) zeros), built as the
+  gather and its index's wrap (a compare, an add, a select) and nothing else; a float or bool index still raises."""
+  from ourgrad.lazy import LazyBuffer
+  table = RNG.standard_normal((6, 3, 2)).astype(np.float32)
+  index = np.array([[0, -1, 5], [7, -7, 2]], np.int32)
+  x = Tensor(table).realize()
+  idx = Tensor(index).realize()
+  expected = np.where(((index >= -6) & (index < 6))[..., None, None], table[np.clip(index, -6, 5)], 0)
+  np.testing.assert_array_equal(x[idx].numpy(), expected)
+  made = []
+  create = LazyBuffer.create_base
+  LazyBuffer.create_base = staticmethod(lambda *args, **kwargs: made.append(args[3]) or create(*args, **kwargs))
+  try:
+    x[idx]
+  finally:
+    LazyBuffer.create_base = staticmethod(create)
+  assert sorted(op.name for op in made) == ["ADD", "CMPLT", "GATHER", "WHERE"]
+  for bad in (Tensor([1.0]), Tensor([True])):
+    with pytest.raises(IndexError): x[bad]

@@ -326,9 +326,11 @@ class LlamaBlock:
     batch, length, _ = x.shape
     heads, head_dim = config.n_heads, config.head_dim
     projected = self._linear(x, self.w_qkv, self.attn_norm) * self._inverse_rms(x)
-    projected = projected.reshape(batch, length, -1, head_dim)
+    projected = projected.reshape(batch, length, heads + 2 * config.n_kv_heads, head_dim)
     rotated = self.value_heads.where(projected, rotate_pairs(projected, cos, sin)).contiguous()
-    placed = rotated.reshape(length, -1)[placement].reshape(1, self.cache.shape[1], -1, head_dim)[:, :, heads:]
+    # each slot's row of the rotated projection, its K and V columns (the heads after the query's) in the cache's shape
+    rows = rotated.reshape(length, -1)[placement]
+    placed = rows.shrink((None, (heads * head_dim, rows.shape[1]))).reshape(1, *self.cache.shape[1:])
     self.cache.assign(write.where(placed, self.cache))
     return rotated[:, :, :heads]
 
@@ -411,8 +413,9 @@ class LlamaBlock:
     q = self._project_prefill(x, cos, sin, write, placement)  # (1, B, heads, hd)
     # read after the write (one kernel writes the cache, none copies it); several sequences: the prompt's row, an
     # indexed read of a host-made index, so one capture serves every row
-    cache = self.cache[0, :attended_slots] if self.cache.shape[0] == 1 else self.cache[sequence][0, :attended_slots]
-    keys, values = cache[:, :kv_heads].permute(1, 0, 2), cache[:, kv_heads:].permute(1, 0, 2)  # (kv, A, hd)
+    cache = self.cache if self.cache.shape[0] == 1 else self.cache[sequence]
+    keys, values = cache[0, :attended_slots, :kv_heads], cache[0, :attended_slots, kv_heads:]  # (A, kv, hd) each
+    keys, values = keys.permute(1, 0, 2), values.permute(1, 0, 2)
     attended = q.reshape(length, heads, head_dim).permute(1, 0, 2).scaled_dot_product_attention(
       keys, values, attn_mask=visible, enable_gqa=True)  # (heads, B, hd)
     return self._feed_forward(x, attended.permute(1, 0, 2).reshape(batch, length, config.dim))
