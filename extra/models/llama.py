@@ -316,7 +316,7 @@ class LlamaBlock:
     return (normed if norm is None else normed * norm).contiguous()
 
   def _project_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor) -> Tensor:
-    """q (1, B, heads, hd) of x (1, B, dim), rotated (cos and sin broadcast to the projection's (1, B, heads + 2 kv,
+    """q (B, heads, hd) of x (1, B, dim), rotated (cos and sin broadcast to the projection's (1, B, heads + 2 kv,
     hd)), after writing the rotated K and the V of its rows to the cache where `write` (1, max_context, 1, 1),
     broadcast to the cache's shape, is True: cache slot p takes row placement[p] (a host-made int32
     (max_context,) index, p - start where written), an indexed read, so no kernel depends on the start position.
@@ -332,7 +332,7 @@ class LlamaBlock:
     rows = rotated.reshape(length, -1)[placement]
     placed = rows.shrink((None, (heads * head_dim, rows.shape[1]))).reshape(1, *self.cache.shape[1:])
     self.cache.assign(write.where(placed, self.cache))
-    return rotated[:, :, :heads]
+    return rotated[0, :, :heads]
 
   def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(q (S, 1, heads, hd) rotated, the stored K and V projection (S, 1, 2 * kv_heads, hd), cos and sin (S, 1, 1,
@@ -408,15 +408,15 @@ class LlamaBlock:
     graph on lazy buffers (tensor_attention.py)."""
     config = self.config
     batch, length, _ = x.shape
-    heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+    kv_heads = config.n_kv_heads
     attended_slots = visible.shape[-1]
-    q = self._project_prefill(x, cos, sin, write, placement)  # (1, B, heads, hd)
+    q = self._project_prefill(x, cos, sin, write, placement)  # (B, heads, hd)
     # read after the write (one kernel writes the cache, none copies it); several sequences: the prompt's row, an
     # indexed read of a host-made index, so one capture serves every row
     cache = self.cache if self.cache.shape[0] == 1 else self.cache[sequence]
     keys, values = cache[0, :attended_slots, :kv_heads], cache[0, :attended_slots, kv_heads:]  # (A, kv, hd) each
     keys, values = keys.permute(1, 0, 2), values.permute(1, 0, 2)
-    attended = q.reshape(length, heads, head_dim).permute(1, 0, 2).scaled_dot_product_attention(
+    attended = q.permute(1, 0, 2).scaled_dot_product_attention(
       keys, values, attn_mask=visible, enable_gqa=True)  # (heads, B, hd)
     return self._feed_forward(x, attended.permute(1, 0, 2).reshape(batch, length, config.dim))
 
