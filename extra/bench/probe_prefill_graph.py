@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import dataclasses
 import pathlib
 import sys
@@ -120,7 +121,11 @@ def main() -> None:
   sync = Device[device].synchronize
 
   def call() -> None: model(prompt, 0)
-  if not args.block_only: time_prefills(call, sync, args.calls, cuda, f"({layers} blocks, {length} tokens, {device})")
+  if not args.block_only:
+    logits = model(prompt, 0).numpy()
+    digest = hashlib.sha1(logits.tobytes() + model.blocks[-1].cache.numpy().tobytes()).hexdigest()[:16]
+    print(f"logits and last cache: sha1 {digest} (trees that build the same values print the same)")
+    time_prefills(call, sync, args.calls, cuda, f"({layers} blocks, {length} tokens, {device})")
   block_graph(model, prompt, device, args.lines, args.files)
 
 
