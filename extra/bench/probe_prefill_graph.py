@@ -151,9 +151,9 @@ def time_prefills(call: Callable[[], None], sync: Callable[[], None], calls: int
     sync()
 
 
-def block_graph(model: llama.Llama, prompt: np.ndarray, device: str, lines: bool, files: bool) -> None:
+def block_graph(model: llama.Llama, prompt: np.ndarray, device: str, by_line: bool, by_file: bool) -> None:
   """One block's graph (the second's, as a prefill from position 0 builds it): its bytecodes and bases, by model line
-  (`lines`) and by file (`files`)."""
+  (`by_line`) and by file (`by_file`)."""
   length = prompt.shape[1]
   block = model.blocks[min(1, len(model.blocks) - 1)]
   inputs = model._position_inputs(0, length, length)
@@ -178,10 +178,10 @@ def block_graph(model: llama.Llama, prompt: np.ndarray, device: str, lines: bool
   traced(one_block, note)
   print(f"one block: {sum(files.values())} bytecodes, {count_bases(one_block)} lazy bases")
   source = pathlib.Path(MODEL_FILE).read_text().splitlines()
-  if lines:
+  if by_line:
     for (function, line), count in lines.most_common():
       print(f"  {count:7d}  {function}:{line}  {source[line - 1].strip()[:90]}")
-  if files:
+  if by_file:
     for name, count in files.most_common(): print(f"  {count:7d}  {name}")
 
 
