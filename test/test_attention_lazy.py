@@ -114,3 +114,28 @@ def test_one_index_tensor_reads_its_rows() -> None:
   assert sorted(op.name for op in made) == ["ADD", "CMPLT", "GATHER", "WHERE"]
   for bad in (Tensor([1.0]), Tensor([True])):
     with pytest.raises(IndexError): x[bad]
+
+
+def _bases_made(call) -> int:
+  from ourgrad.lazy import LazyBuffer
+  made = [0]
+  create = LazyBuffer.create_base
+
+  def counting(*args, **kwargs):
+    made[0] += 1
+    return create(*args, **kwargs)
+  LazyBuffer.create_base = staticmethod(counting)
+  try:
+    call()
+  finally:
+    LazyBuffer.create_base = staticmethod(create)
+  return made[0]
+
+
+def test_lazy_graph_makes_no_more_ops_than_the_tensor_path() -> None:
+  """The same lazy ops (a fully masked row's two fixes cost one op each where the Tensor path's cost two)."""
+  q, k, v = _operands((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8))
+  for kwargs in ({"is_causal": True}, {"attn_mask": masked_rows}):
+    lazy = _bases_made(lambda: _attention(q, k, v, False, **dict(kwargs)))
+    composed = _bases_made(lambda: _attention(q, k, v, True, **dict(kwargs)))
+    assert lazy <= composed, (kwargs, lazy, composed)
