@@ -163,9 +163,9 @@ def composite_attention(q: LazyBuffer, k: LazyBuffer, v: LazyBuffer, mask: LazyB
                         scale: float) -> LazyBuffer:
   """softmax(q k^T * scale, masked) v for operands `composite_attention_refusal` accepted, q (..., [H,] L, D), k and
   v (..., [Hk,] S, D/Dv), as the lazy graph of the Tensor path: the product's graph (Matmul's), the scale, the mask
-  (a bool `mask` keeps where True, a float one is added; `causal` keeps key j for query i <= j), the softmax (a bool or
-  float mask: rows with no key left give 0, as `_masked_softmax`), the second product. The query heads sharing a key
-  head are folded into its product's rows (module docstring)."""
+  (a bool `mask` keeps where True, a float one is added; `causal` keeps key j for query i where j <= i), the softmax
+  (a bool or float mask: rows with no key left give 0, as `_masked_softmax`), the second product. The query heads
+  sharing a key head are folded into its product's rows (module docstring)."""
   length, source = q.shape[-2], k.shape[-2]
   group = q.shape[-3] // k.shape[-3] if len(q.shape) > 2 else 1
   batch = k.shape[:-2]   # (..., Hk)
