@@ -25,6 +25,8 @@ from ourgrad import function as F
 from ourgrad.dtype import dtypes, least_upper_dtype
 from ourgrad.errors import AxisError, DeviceError, DTypeError, IndexOutOfRangeError, ShapeError
 from ourgrad.helpers import normalize_axis, prod
+from ourgrad.lazy import LazyBuffer
+from ourgrad.ops import Ops
 from ourgrad.shape.shapetracker import valid_window
 from ourgrad.shape.symbolic import is_symbolic, sym_infer
 from ourgrad.tensor_math import _broadcast_shape
@@ -403,6 +405,10 @@ class MovementMixin:
     masks (x[mask]: realizes the mask, as its count of True sets the result's size)."""
     plain = self._plain_view_index(index)
     if plain is not None: return plain
+    # one integer tensor: the rows it picks (what the general path below comes to, without parsing the index: every
+    # embedding lookup and KV-cache placement of a model's forward)
+    if type(index) is type(self) and self.ndim and not index.dtype.is_float and index.dtype != dtypes.bool:
+      return self._take_rows(index)
     index = self._bool_masks_as_indices(index)
     steps, tensor_dims = self._basic_index_steps(self._normalize_index(index))
     x = self
@@ -448,7 +454,12 @@ class MovementMixin:
       raise DeviceError(f"the index is on {index.device}, the indexed tensor on {self.device}; move one with .to()")
     rows, rest = self.shape[0], self.shape[1:]
     flat_index = index.reshape(-1).cast(dtypes.int32)
-    flat_index = (flat_index < 0).where(flat_index + rows, flat_index)
+    lazy = flat_index.lazydata
+    if type(lazy) is LazyBuffer:   # (the same ops on lazy buffers: an index needs no autograd node)
+      negative = lazy.elementwise(Ops.CMPLT, lazy.operand_like(0))
+      flat_index = type(self)(negative.elementwise(Ops.WHERE, lazy.elementwise(Ops.ADD, lazy.operand_like(rows)), lazy))
+    else:
+      flat_index = (flat_index < 0).where(flat_index + rows, flat_index)
     picked = F.GatherRows.apply(self.reshape(rows, prod(rest)), flat_index.detach())
     return picked.reshape(*index.shape, *rest)
 

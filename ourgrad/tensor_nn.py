@@ -31,7 +31,8 @@ from ourgrad.helpers import prod
 from ourgrad.tensor_conv import ConvMixin
 from ourgrad.tensor_einsum import EinsumMixin
 from ourgrad.tensor_resize import ResizeMixin
-from ourgrad.tensor_attention import explain_attention, fused_attention, fused_attention_refusal
+from ourgrad.tensor_attention import (composite_attention, composite_attention_refusal, explain_attention,
+                                     fused_attention, fused_attention_refusal)
 from ourgrad.mixed_precision import CastPolicy, autocast_op
 from ourgrad.ops import ADD, AND, CMPLT, CMPNE, NEG, RECIP, SQRT, SUM
 
@@ -446,6 +447,12 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     refusal = fused_attention_refusal(q, k, v, attn_mask, dropout_p, enable_gqa)
     explain_attention(refusal)
     if refusal is None: return fused_attention(q, k, v, is_causal, scale)
+    if composite_attention_refusal(q, k, v, attn_mask, dropout_p, enable_gqa) is None:
+      # no gradient to record: the graph below built straight on lazy buffers, one step per op (tensor_attention.py)
+      lazy = composite_attention(q.lazydata, k.lazydata, v.lazydata, None if attn_mask is None else attn_mask.lazydata,
+                                 is_causal, scale)
+      unknown = not type(q).no_grad and any(x.requires_grad is None for x in (q, k, v))
+      return type(q)(lazy, requires_grad=None if unknown else False)
     if enable_gqa and q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
       k, v = _repeat_heads(k, q.shape[-3] // k.shape[-3]), _repeat_heads(v, q.shape[-3] // v.shape[-3])
 

@@ -316,8 +316,9 @@ class LlamaBlock:
     return (normed if norm is None else normed * norm).contiguous()
 
   def _project_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor) -> Tensor:
-    """q (1, B, heads, hd) of x (1, B, dim), rotated, after writing the rotated K and the V of its rows to the cache
-    where `write` (1, max_context, 1, 1) is True: cache slot p takes row placement[p] (a host-made int32
+    """q (B, heads, hd) of x (1, B, dim), rotated (cos and sin broadcast to the projection's (1, B, heads + 2 kv,
+    hd)), after writing the rotated K and the V of its rows to the cache where `write` (1, max_context, 1, 1),
+    broadcast to the cache's shape, is True: cache slot p takes row placement[p] (a host-made int32
     (max_context,) index, p - start where written), an indexed read, so no kernel depends on the start position.
     RoPE runs on all Q, K and V heads of the projection at once (V heads selected back unrotated by a constant
     mask): one kernel makes the rotated rows that the attention (Q) and the cache write (K, V) read."""
@@ -325,12 +326,13 @@ class LlamaBlock:
     batch, length, _ = x.shape
     heads, head_dim = config.n_heads, config.head_dim
     projected = self._linear(x, self.w_qkv, self.attn_norm) * self._inverse_rms(x)
-    projected = projected.reshape(batch, length, -1, head_dim)
-    cos, sin = cos.reshape(1, length, 1, head_dim), sin.reshape(1, length, 1, head_dim)
+    projected = projected.reshape(batch, length, heads + 2 * config.n_kv_heads, head_dim)
     rotated = self.value_heads.where(projected, rotate_pairs(projected, cos, sin)).contiguous()
-    placed = rotated.reshape(length, -1)[placement].reshape(1, self.cache.shape[1], -1, head_dim)[:, :, heads:]
+    # each slot's row of the rotated projection, its K and V columns (the heads after the query's) in the cache's shape
+    rows = rotated.reshape(length, -1)[placement]
+    placed = rows.shrink((None, (heads * head_dim, rows.shape[1]))).reshape(1, *self.cache.shape[1:])
     self.cache.assign(write.where(placed, self.cache))
-    return rotated[:, :, :heads]
+    return rotated[0, :, :heads]
 
   def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(q (S, 1, heads, hd) rotated, the stored K and V projection (S, 1, 2 * kv_heads, hd), cos and sin (S, 1, 1,
@@ -398,26 +400,25 @@ class LlamaBlock:
 
   def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, visible: Tensor,
                sequence: Tensor) -> Tensor:
-    """x (1, B, dim) of a prompt padded to B tokens; cos/sin (B, head_dim) from `rope_inputs`; `visible` (B, A) bool:
-    which of the first A cache slots each row attends to; `sequence` (1,) int32: the cache row of this prompt (`write`
-    marks slots of that row only). Grouped-query attention by folding the query heads that share a KV head into the
-    rows of one matmul per KV head: (kv, group * B, hd) @ (kv, hd, A), keys read once."""
+    """x (1, B, dim) of a prompt padded to B tokens; cos/sin from `rope_inputs`, broadcast to the projection's (1, B,
+    heads + 2 kv, hd); `visible` (B, A) bool: which of the first A cache slots each row attends to; `sequence` (1,)
+    int32: the cache row of this prompt (`write` marks slots of that row only). Grouped-query attention
+    (`enable_gqa`): without a gradient to record, scaled_dot_product_attention folds the query heads that share a KV
+    head into the rows of one matmul per KV head, (kv, group * B, hd) @ (kv, hd, A), keys read once, and builds its
+    graph on lazy buffers (tensor_attention.py)."""
     config = self.config
     batch, length, _ = x.shape
-    heads, kv_heads, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-    group, attended_slots = heads // kv_heads, visible.shape[-1]
-    q = self._project_prefill(x, cos, sin, write, placement)  # (1, B, heads, hd)
+    kv_heads = config.n_kv_heads
+    attended_slots = visible.shape[-1]
+    q = self._project_prefill(x, cos, sin, write, placement)  # (B, heads, hd)
     # read after the write (one kernel writes the cache, none copies it); several sequences: the prompt's row, an
     # indexed read of a host-made index, so one capture serves every row
-    cache = self.cache[0, :attended_slots] if self.cache.shape[0] == 1 else self.cache[sequence][0, :attended_slots]
-    keys = cache[:, :kv_heads].permute(1, 2, 0)  # (kv, hd, A)
-    values = cache[:, kv_heads:].permute(1, 0, 2)  # (kv, A, hd)
-    q = q.reshape(length, heads, head_dim).permute(1, 0, 2).reshape(kv_heads, group * length, head_dim)
-    scores = (q @ keys * (1.0 / math.sqrt(head_dim))).reshape(kv_heads, group, length, attended_slots)
-    # every row sees slot 0 at least: no row is all -inf, the plain softmax is safe
-    weights = visible.where(scores, -math.inf).softmax(-1).reshape(kv_heads, group * length, attended_slots)
-    attended = (weights @ values).reshape(heads, length, head_dim).permute(1, 0, 2)  # (B, heads, hd)
-    return self._feed_forward(x, attended.reshape(batch, length, config.dim))
+    cache = self.cache if self.cache.shape[0] == 1 else self.cache[sequence]
+    keys, values = cache[0, :attended_slots, :kv_heads], cache[0, :attended_slots, kv_heads:]  # (A, kv, hd) each
+    keys, values = keys.permute(1, 0, 2), values.permute(1, 0, 2)
+    attended = q.permute(1, 0, 2).scaled_dot_product_attention(
+      keys, values, attn_mask=visible, enable_gqa=True)  # (heads, B, hd)
+    return self._feed_forward(x, attended.permute(1, 0, 2).reshape(batch, length, config.dim))
 
   def decode(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, visible: int | Node,
              mask: Tensor | None, used: Node | None = None) -> Tensor:
@@ -599,14 +600,23 @@ class Llama:
     row is all -inf). `realize_every` > 0 (eager calls): the residual stream, and with it the caches written so far,
     is realized after every that many blocks, so the device runs those blocks while Python builds the next ones (the
     residual is stored between blocks anyway: no fusion is lost; blocks of one shape replay one cached schedule)."""
-    visible = self.slots[:attended].reshape(1, attended) <= positions.reshape(-1, 1)
-    # in the (1, B, 1, head_dim) shape every block reads them in (its own reshape is then none: 2 Functions a block)
-    cos, sin = (table.reshape(1, table.shape[0], 1, table.shape[1]) for table in (cos, sin))
+    cos, sin, write, visible = self._block_inputs(cos, sin, write, positions, attended)
     x = self.embed(tokens)
     for index, block in enumerate(self.blocks):
       x = block(x, cos, sin, write, placement, visible, sequence)
       if realize_every > 0 and (index + 1) % realize_every == 0 and index + 1 < len(self.blocks): x.realize()
     return rms_norm(x[0][last], self.norm, self.config.norm_eps).linear(as_tensor(self.output))
+
+  def _block_inputs(self, cos: Tensor, sin: Tensor, write: Tensor, positions: Tensor,
+                    attended: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A prefill's inputs of every block (`LlamaBlock.__call__`): the rope tables and the write marks broadcast once
+    to the shapes the blocks read them in (the projection's heads, the cache's K and V heads: the views each block's
+    ops would make, without an Expand and a reshape per table in every block), and the visible slots."""
+    visible = self.slots[:attended].reshape(1, attended) <= positions.reshape(-1, 1)
+    heads, head_dim = self.config.n_heads + 2 * self.config.n_kv_heads, self.config.head_dim
+    cos, sin = (table.reshape(1, table.shape[0], 1, head_dim).expand(1, table.shape[0], heads, head_dim)
+                for table in (cos, sin))
+    return cos, sin, write.expand(*write.shape[:2], 2 * self.config.n_kv_heads, head_dim), visible
 
   def _step_graph(self, step: Tensor, position: Variable | None) -> Tensor:
     """`_decode_graph` of the host-made step (S, 2) int32: each sequence's token and position, one upload a step.
