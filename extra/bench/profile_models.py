@@ -14,6 +14,7 @@ Two views of the same captured kernels:
     python extra/bench/profile_models.py --workload minilm
     python extra/bench/profile_models.py --workload decode [--sequences 8] [--weights bfloat16|q8_0|stored]
     python extra/bench/profile_models.py --workload decode --weights bfloat16 --timed 64 --no-table   (tokens/s)
+    python extra/bench/profile_models.py --workload decode --timed 64 --decode-rows q8_0:1 bfloat16:1 bfloat16:8
 Without a GPU, `--device CLANG` runs the same (slowly, with `--layers 2` for a smoke test); on a shared CPU
 `OMP_NUM_THREADS=1 ... --device CLANG --cpu-time` gives per-kernel figures the other jobs do not change.
 """
@@ -307,9 +308,16 @@ def main() -> None:
   parser.add_argument("--host-breakdown", type=int, default=0, help="decode: where this many token-on-the-host "
                       "steps spend their wall time (phases, driver costs, cProfile)")
   parser.add_argument("--top", type=int, default=25, help="functions listed by --host-breakdown")
+  parser.add_argument("--decode-rows", nargs="*", default=[], help="decode, with --timed: only the tokens/s rows, of "
+                      "each WEIGHTS:SEQUENCES given (q8_0:1 bfloat16:8), one model after the other in this process")
   args = parser.parse_args()
   args.device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = args.device  # the models' own tensors (BertEncoder's layers) go to this device
+  if args.decode_rows:
+    for row in args.decode_rows:
+      weights, sequences = row.split(":")
+      decode_workload(argparse.Namespace(**{**vars(args), "weights": weights, "sequences": int(sequences)}))
+    return
   workloads = {"prefill": prefill_workload, "minilm": minilm_workload, "decode": decode_workload}
   jit, call = workloads[args.workload](args)
   seconds = profiled_replay(args.device, call)
