@@ -166,7 +166,12 @@ class ThinMatmulStrategy(Strategy):
     upcast, lanes = 1, 1
     if rows:
       recomputed = _cost_broadcast_along(kernel, wide) >= THIN_RECOMPUTE_COST
-      upcast = THIN_ROWS_PER_THREAD if recomputed and sizes[narrow] >= THIN_ROWS_PER_THREAD else 1
+      # rows so many that a warp per THIN_ROWS_PER_THREAD of them still fills the device (a batched decode step's
+      # vocabulary logits, 49152 rows): each load of the narrow operand (every sequence's x, re-read per row from
+      # cache otherwise: 18 KB a row at 8 sequences) serves that many rows from registers
+      many = prod(sizes[:min(axes)]) * sizes[wide] // THIN_ROWS_PER_THREAD * WARP_SIZE >= \
+        threads_in_flight_wanted(kernel)
+      upcast = THIN_ROWS_PER_THREAD if (recomputed or many) and sizes[narrow] >= THIN_ROWS_PER_THREAD else 1
       if sizes[wide] % upcast: upcast = 1
       lanes = _thin_row_lanes(kernel, wide_loads, sizes[k_axis])
       group = power_of_two_divisor(sizes[k_axis] // lanes, WARP_SIZE)
