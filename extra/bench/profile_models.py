@@ -239,6 +239,7 @@ def host_breakdown(model: Llama, args: argparse.Namespace) -> None:
              "step upload (copyin)": per_call(lambda: buffer.copyin(memoryview(host).cast("B"))) if buffer else 0.0,
              "_step_inputs": per_call(lambda: model._step_inputs(ids, [8] * sequences)),
              "id read (numpy)": per_call(lambda: result.numpy()),
+             "id read (read_later)": per_call(lambda: result._buffer().read_later().numpy()),
              "graph launch+sync": per_call(lambda: (graph.launch(), device.synchronize())) if graph else 0.0,
              "jit call+sync": per_call(lambda: (jit(*inputs), device.synchronize()))}
   if graph is not None:
