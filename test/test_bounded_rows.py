@@ -141,9 +141,8 @@ def test_rows_that_must_stay_whole(emulated_cuda) -> None:
 def test_decode_rows_end_at_the_slots_in_use(emulated_cuda) -> None:
   """A fixed-shape GPU decode step (extra/models/llama.py) over a 64-slot cache whose `used` bound is rounded to 8
   slots (rows of two rounds, the second skipped) gives the bits of the same step bound to the whole cache (the
-  skipped terms are the reduces' identities: x + 0, max(x, -inf)), in the same kernels, each attention kernel taking
-  `used`: the row kernel and the scores kernel, which reads the cached keys up to it (`LlamaBlock._cached`). (Two
-  steps: the second is the captured one.)"""
+  skipped terms are the reduces' identities: x + 0, max(x, -inf)), in the same kernels, each attention row kernel
+  taking `used`. (Two steps: the second is the captured one.)"""
   from test_decode_kernels import DECODE, _decode_weights, _stored_as
   from extra.models.llama import Llama
   weights = _decode_weights(seed=5)
@@ -157,6 +156,6 @@ def test_decode_rows_end_at_the_slots_in_use(emulated_cuda) -> None:
     assert captured is not None
     counts.append(len(captured.items))
     bound = [item.var_vals for item in captured.items if item.var_vals]
-    assert bound == [{"used": granule}] * 2 * DECODE.n_layers, bound
+    assert bound == [{"used": granule}] * DECODE.n_layers, bound
   np.testing.assert_array_equal(np.stack(logits[0]), np.stack(logits[1]))
   assert counts[0] == counts[1]

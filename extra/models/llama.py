@@ -366,17 +366,6 @@ class LlamaBlock:
     if heads.stop is not None and heads.stop <= kv_heads: return rotated   # K heads only
     return self.value_heads[:, :, self.config.n_heads:].where(new, rotated)
 
-  def _cached(self, heads: slice, used: Node | None) -> Tensor:
-    """The cache's `heads` as they are before this step's write, read up to the slots in use (`used`, a bound Variable;
-    None: all): past it a load's mask gives 0 without reading memory. A GPU decode step's scores kernel computes every
-    slot (its slots are its outputs, not a loop the bound could end): with the keys read this way its blocks past the
-    bound load nothing (8 sequences read 3.2 MB of keys a layer from a 520-slot cache, ~0.2 MB of it in use at
-    position 64). The mask is on the cache's own view, not on the `where` that recomputes this step's rows: a pad of
-    that `where` would be stored by a kernel of its own."""
-    cached = self.cache[:, :, heads]
-    if used is None: return cached
-    return cached.shrink((None, (0, used), None, None)).pad((None, (0, self.cache.shape[1] - used), None, None))
-
   def _feed_forward(self, x: Tensor, attended: Tensor) -> Tensor:
     """The residual after attention (`attended` (1, L, dim) before the output projection), then the SwiGLU half."""
     one_token = x.shape[1] == 1
@@ -448,7 +437,7 @@ class LlamaBlock:
       # them, so it does not wait for the write: nothing later in the step reads the cache, and the write kernels of
       # every block (independent, elementwise) share packed launches at the step's end (engine/packing.py), one kernel a
       # block less. The old cache is read before the assign (a lazy value keeps what it held when it was made)
-      keys = write.where(self._new_rows(projected, cos, sin, keys_heads), self._cached(keys_heads, used))
+      keys = write.where(self._new_rows(projected, cos, sin, keys_heads), self.cache[:, :, keys_heads])
       values = write.where(self._new_rows(projected, cos, sin, values_heads), self.cache[:, :, values_heads])
     self.cache.assign(write.where(self._new_rows(projected, cos, sin, slice(None)), self.cache))
     if not self.recompute_rows: keys, values = self.cache[:, :, keys_heads], self.cache[:, :, values_heads]
