@@ -129,10 +129,13 @@ def test_many_row_thin_product_takes_rows_a_thread() -> None:
   kernel = Kernel(item.ast, CUDARenderer())
   hand_coded_optimizations(kernel)
   assert isinstance(kernel.plan, ThinMatmulPlan) and kernel.plan.rows and kernel.plan.upcast == 4, kernel.plan
+  # the weight rows read as vectors of 4 bfloat16s a thread (8 would leave 72 vectors a row: 8 threads, no warp half)
+  assert kernel.plan.lanes == 4 and kernel.plan.group == 16, kernel.plan
 
 
 def test_many_row_thin_product_values() -> None:
-  """The 4-rows-a-thread plan (forced on a small product: THIN rows counted as many) against numpy."""
+  """The 4-rows-a-thread plan, its weight rows read as vectors of 8 (forced on a small product: its rows counted as
+  many) against numpy."""
   from ourgrad.codegen.opt import heuristic
   rng = np.random.default_rng(3)
   x_np, w_np = rng.standard_normal((8, 1, 256)).astype(np.float32), rng.standard_normal((64, 256)).astype(np.float32)
@@ -143,7 +146,7 @@ def test_many_row_thin_product_values() -> None:
     kernel, got = _emulated(_kernel_item(Tensor(x_np, device="PYTHON").linear(w)))
   finally:
     heuristic.threads_in_flight_wanted = wanted
-  assert isinstance(kernel.plan, ThinMatmulPlan) and kernel.plan.upcast == 4, kernel.plan
+  assert isinstance(kernel.plan, ThinMatmulPlan) and kernel.plan.upcast == 4 and kernel.plan.lanes == 8, kernel.plan
   expected = x_np.astype(np.float64) @ w.cast(dtypes.float32).numpy().T.astype(np.float64)
   np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
 

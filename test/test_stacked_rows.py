@@ -194,24 +194,3 @@ def test_many_stacked_rows_match_numpy(renderer: str):
     global_size, local_size = launch_dims(linearize(kernel))
     assert global_size[0] * local_size[0] == 1024 * 16 // 4
 
-
-@pytest.mark.parametrize("renderer", sorted(RENDERERS))
-def test_cross_stacked_rows_match_numpy(renderer: str, monkeypatch: pytest.MonkeyPatch):
-  """CROSS_STACKED_ROWS = 2: the 8 stacked sequences also take 2 output rows a thread group (x broadcast along them):
-  each x load is issued once for both rows, the norm's sum of squares (which does not vary along the rows) computed
-  once, half the row groups; values against numpy."""
-  from ourgrad.codegen import row_blocks
-  monkeypatch.setattr(row_blocks, "CROSS_STACKED_ROWS", 2)
-  out, expected, _ = _normed_product(8, 40, 96)
-  item = _kernel_item(out)
-  got = _run(Kernel(item.ast, RENDERERS[renderer]()), item)
-  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=3e-5, atol=3e-5)
-  out, _, _ = _normed_product(8, 960, 576)
-  item = create_schedule([out.lazydata])[-1]
-  kernel = Kernel(item.ast, CUDARenderer())
-  uops = linearize(kernel)
-  x_input = next(leaf.arg.idx for leaf in kernel.leaves if leaf.op is Ops.LOAD and leaf.arg.st.shape[-1] == 576
-                 and leaf.arg.st.real_strides()[1] == 0)
-  assert len(_global_loads(uops, x_input)) == 8 * (576 // 4 // 32 + 1), "each sequence's x units once, both rows"
-  global_size, local_size = launch_dims(uops)
-  assert global_size[0] * local_size[0] == 960 // 2 * 32, "a warp per 2 output rows"

@@ -13,7 +13,6 @@ at each pass.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Callable
 
@@ -52,10 +51,6 @@ SHARED_ROW_UNITS = 2
 # Rows that share a broadcast operand and are computed by one thread group side by side (_stacked_rows): their
 # accumulators and their own loads stay in registers at once.
 MAX_STACKED_ROWS = 8
-# Stacked rows (several sequences against one weight row) also stacked this many along the innermost row axis where
-# another operand is broadcast along it (every sequence's x against that many weight rows: each x load then serves
-# them from registers, where each warp re-read all of x for its row); 1: off (_cross_stacked_rows)
-CROSS_STACKED_ROWS = 1
 SHARED_ROW_BLOCK = 128
 # the threads of the one block of a row kernel with final reduces (_linearize_final_rows)
 FINAL_ROWS_BLOCK = 256
@@ -133,14 +128,8 @@ class BlockRowLinearizer(RowLinearizer):
       stack_axis, stack = None, 1
       threads, per_block = self._row_layout(rows, held)
     rows //= stack
-    stacks = [(stack_axis, stack)] if stack_axis is not None else []
-    cross = self._cross_stacked_rows(row_dims, stack_axis) if stack_axis is not None else 1
-    if cross > 1:
-      stacks.append((row_dims[-1], cross))
-      rows //= cross
-    stacked_axes = {axis for axis, _ in stacks}
     # stacked rows interleave along another row axis (the stacked one's rows are a thread's, side by side)
-    interleave = interleaved_rows(kernel, row_dims, rows) if row_dims[-1] not in stacked_axes else 1
+    interleave = interleaved_rows(kernel, row_dims, rows) if stack_axis is None or stack_axis != row_dims[-1] else 1
     if interleave > 1:   # a block of `interleave` rows, at least a warp of threads, at most the device's block
       threads = max(min(threads, kernel.renderer.max_threads // interleave), kernel.renderer.warp_size // interleave)
       per_block = interleave
@@ -164,7 +153,7 @@ class BlockRowLinearizer(RowLinearizer):
     if interleave > 1: row, thread = block * per_block + block_thread % interleave, block_thread // interleave
     lanes = (block_thread % interleave, interleave) if interleave > 1 else None
     idxs: list[Node] = [NumNode(0)] * len(shape)
-    sizes = [shape[axis] // dict(stacks).get(axis, 1) for axis in row_dims]
+    sizes = [shape[axis] // (stack if axis == stack_axis else 1) for axis in row_dims]
     for axis, node in zip(row_dims, unflatten(row, sizes)): idxs[axis] = node
     per_thread = math.ceil(register_units(units, width) / threads)
     # rows whose reduces gain nothing past a Variable bound stop there (codegen/bounded_loops.py `row_end`)
@@ -178,7 +167,8 @@ class BlockRowLinearizer(RowLinearizer):
       for axis, node in zip(row_dims, unflatten(block * per_block, sizes)): first_row[axis] = node
       self.element_stage = ElementStage(self, stacked_rows(first_row, stack_axis, stack, kernel), block_thread,
                                         block_threads, end)
-    if stacks: return self._linearize_stacked_rows(idxs, stacks, thread, threads, units, width, lanes, end)
+    if stack_axis is not None:
+      return self._linearize_stacked_rows(idxs, stack_axis, stack, thread, threads, units, width, lanes, end)
     resident = getattr(kernel.renderer, "threads_per_multiprocessor", 0) // block_threads
     if not passes.persistent and resident > 1:
       # a streamed row's loads in flight come from its resident blocks: the compiler's unrolling of the loop must not
@@ -270,18 +260,8 @@ class BlockRowLinearizer(RowLinearizer):
       stack *= 2
     return (axis, stack) if stack > 1 else (None, 1)
 
-  def _cross_stacked_rows(self, row_dims: list[int], stack_axis: int) -> int:
-    """CROSS_STACKED_ROWS where the innermost row axis is not the stacked one, it divides it, the kernel has no
-    element reduces, and some load is broadcast along it (x against the weight rows); else 1."""
-    kernel, axis = self.kernel, row_dims[-1]
-    if CROSS_STACKED_ROWS < 2 or axis == stack_axis or kernel.element_reduces: return 1
-    if kernel.full_shape[axis] % CROSS_STACKED_ROWS: return 1
-    loads = [leaf for leaf in kernel.leaves if leaf.op is Ops.LOAD and not leaf.srcs]
-    return CROSS_STACKED_ROWS if any(_broadcast_along(leaf.arg.st, axis) for leaf in loads) else 1
-
-  def _linearize_stacked_rows(self, idxs: list[Node], stacks: list[tuple[int, int]], thread: Node, threads: int,
-                              units: int, width: int, lanes: tuple[Node, int] | None = None,
-                              end: Node | None = None) -> list[UOp]:
+  def _linearize_stacked_rows(self, idxs: list[Node], axis: int, stack: int, thread: Node, threads: int, units: int,
+                              width: int, lanes: tuple[Node, int] | None = None, end: Node | None = None) -> list[UOp]:
     """Rows `stack` apart along `axis` (`_stacked_rows`), computed by one thread group one after another in
     straight-line code: their units persistent in registers, the loads they share (a broadcast weight row) are the
     same UOps, which the builder merges, so the shared operand is read once for all of them (a batched
@@ -290,27 +270,19 @@ class BlockRowLinearizer(RowLinearizer):
     outputs are stored after every row's reduces (all values computed first, as `_store_outputs` does)."""
     build = self.builder
     reduces = self._row_reduces()
-    # a reduce is computed once for the stacked rows that differ only along axes it does not vary along
-    varies = {id(reduce): [self._varies_along(reduce, axis) for axis, _ in stacks] for reduce in reduces}
-    known: dict[tuple, UOp] = {}
+    independent = [reduce for reduce in reduces if not self._varies_along(reduce, axis)]
+    shared: dict[int, UOp] = {}
     stacked: list[tuple[list[Node], dict[int, UOp]]] = []
-    every_subs = list(itertools.product(*(range(stack) for _, stack in stacks)))
-    every_idxs = []
-    for subs in every_subs:
-      sub_idxs = list(idxs)
-      for (axis, stack), sub in zip(stacks, subs): sub_idxs[axis] = idxs[axis] * stack + sub
-      every_idxs.append(sub_idxs)
+    every_idxs = [[*idxs[:axis], idxs[axis] * stack + sub, *idxs[axis + 1:]] for sub in range(stack)]
     for sub_idxs in every_idxs: self._prefetch_row(RowPasses(self, sub_idxs, thread, threads, units, width, True, end))
-    for sub, (subs, sub_idxs) in enumerate(zip(every_subs, every_idxs)):
-      keys = {id(reduce): (id(reduce), *(index if vary else 0 for index, vary in zip(subs, varies[id(reduce)])))
-              for reduce in reduces}
-      self.reduce_values = {id(reduce): known[keys[id(reduce)]] for reduce in reduces if keys[id(reduce)] in known}
+    for sub, sub_idxs in enumerate(every_idxs):
+      self.reduce_values = dict(shared)
       if self.element_stage is not None: self.element_stage.select(sub)
       passes = RowPasses(self, sub_idxs, thread, threads, units, width, persistent=True, end=end)
       offset = sub * len(reduces)   # each row's local memory (a block's partials) of its own
       self._run_row_reduces(passes, lambda accumulator, reduce, number: self._block_combine(
         accumulator, accumulate_op(reduce), thread, threads, number + offset, lanes))
-      for reduce in reduces: known.setdefault(keys[id(reduce)], self.reduce_values[id(reduce)])
+      if sub == 0: shared = {id(reduce): self.reduce_values[id(reduce)] for reduce in independent}
       stacked.append((sub_idxs, dict(self.reduce_values)))
     first_thread = build.add(UOps.IF, None, (self.node_to_uop(thread < 1),))   # per-row outputs: thread 0 stores
     for sub_idxs, values in stacked:

@@ -107,10 +107,12 @@ THIN_BLOCKS_PER_MULTIPROCESSOR = 4
 # rows. A plain load of it is cheaper than the threads the upcast takes away.
 THIN_ROWS_PER_THREAD = 4
 THIN_RECOMPUTE_COST = 4
-# a rows plan's wide operand read as vectors of at most this many elements a thread (its reduce axis unrolled by them
-# before GROUP, as _unroll_vector_lanes does for a row reduction), where the threads left are still a power of two of
-# at least half a warp; 1: one element a thread
-THIN_VECTOR_LANES = 1
+# a rows plan with many rows (the `many` rule in ThinMatmulStrategy) reads its wide operand as vectors of at most this
+# many elements a thread (its reduce axis unrolled by them before GROUP, as _unroll_vector_lanes does for a row
+# reduction), where the threads left are still a power of two of at least half a warp. H200, 8 sequences' bf16 logits
+# (49152 x 576): 39.4 -> 27.2 us; the few-row output and down projections were no faster (3.04 -> 3.37, 3.80 -> 3.84
+# us), so they keep an element a thread (results/ck_s21/dec_gpu21_1.txt). 1: off
+THIN_VECTOR_LANES = 8
 
 
 @register_plan
@@ -173,7 +175,7 @@ class ThinMatmulStrategy(Strategy):
         threads_in_flight_wanted(kernel)
       upcast = THIN_ROWS_PER_THREAD if (recomputed or many) and sizes[narrow] >= THIN_ROWS_PER_THREAD else 1
       if sizes[wide] % upcast: upcast = 1
-      lanes = _thin_row_lanes(kernel, wide_loads, sizes[k_axis])
+      lanes = _thin_row_lanes(kernel, wide_loads, sizes[k_axis]) if many and upcast > 1 else 1
       group = power_of_two_divisor(sizes[k_axis] // lanes, WARP_SIZE)
       local = power_of_two_divisor(sizes[wide] // upcast, BLOCK_THREADS // 2 // group)
       # a warp per row while that leaves 4 blocks per multiprocessor (H100, 512x10 outputs: a row per block 0.010 ms,
