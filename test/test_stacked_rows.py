@@ -193,4 +193,3 @@ def test_many_stacked_rows_match_numpy(renderer: str):
   if renderer == "emulate_cuda":
     global_size, local_size = launch_dims(linearize(kernel))
     assert global_size[0] * local_size[0] == 1024 * 16 // 4
-
