@@ -126,3 +126,38 @@ def test_byte_vectors_store_as_words() -> None:
   assert "*((unsigned int*)(data0+" in source and "uchar4" not in source
   got = _emulated(item)
   np.testing.assert_array_equal(got, (data + 3).astype(np.uint8))
+
+
+def test_emulated_cuda_takes_cudas_vector_lanes() -> None:
+  """EMULATE=CUDA vectorizes as CUDA does, bytes included (one 32-bit word at most: `byte_vector_lanes`): with 16
+  bytes a vector the emulation made a decode step's Q8_0 down projection 4 bytes a thread wider than CUDA's, a kernel
+  the CUDA renderer cannot write (no 16-byte byte vector), so its tests checked a kernel the GPU never runs."""
+  from ourgrad.renderer.cuda import CUDARenderer
+  emulated, cuda = PythonRenderer("CUDA"), CUDARenderer()
+  for dtype in (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.int32, dtypes.uint8, dtypes.int8):
+    assert emulated.vector_lanes(dtype) == cuda.vector_lanes(dtype), dtype
+
+
+def test_q8_0_down_projection_lowers_as_on_cuda() -> None:
+  """A one-token Q8_0 down projection whose input is the SwiGLU recomputed on its loads (LlamaBlock._feed_forward on
+  a GPU) plus the residual: the emulation applies the opts CUDA's renderer does, CUDA's source renders (and compiles
+  where NVRTC loads), and the emulated values match numpy's."""
+  from ourgrad.renderer.cuda import CUDARenderer
+  rows, hidden = 32, 256
+  rng = np.random.default_rng(7)
+  w_np = rng.standard_normal((rows, hidden)).astype(np.float32)
+  gate_up_np = rng.standard_normal((1, 1, 2 * hidden)).astype(np.float32)
+  x_np = rng.standard_normal((1, 1, rows)).astype(np.float32)
+  blocks = quantize_q8_0(w_np)
+  packed = PackedTensor.from_blocks(GGML_Q8_0, Tensor(blocks, device="PYTHON"), w_np.shape)
+  gate, up = Tensor(gate_up_np, device="PYTHON").chunk(2, dim=-1)
+  item = _kernel_item(Tensor(x_np, device="PYTHON") + packed.linear(gate.silu() * up))
+  emulated, cuda = Kernel(item.ast, PythonRenderer("CUDA")), Kernel(item.ast, CUDARenderer())
+  emulated.hand_coded_optimizations()
+  cuda.hand_coded_optimizations()
+  assert emulated.applied_opts == cuda.applied_opts
+  cuda_source(item, NVRTC)
+  g, u = gate_up_np[0, 0, :hidden], gate_up_np[0, 0, hidden:]
+  expected = x_np[0, 0] + numpy_dequantize(GGML_Q8_0, blocks).reshape(rows, hidden) @ (g / (1 + np.exp(-g)) * u)
+  got = run_on_python_checking_cuda(emulated, item, None)
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)

@@ -118,6 +118,39 @@ def test_plain_thin_product_keeps_a_row_per_thread(residual: str) -> None:
   assert isinstance(kernel.plan, ThinMatmulPlan) and kernel.plan.upcast == 1 and kernel.plan.group == 64, kernel.plan
 
 
+def test_many_row_thin_product_takes_rows_a_thread() -> None:
+  """A batched product with rows enough to fill the GPU at a warp per 4 of them (a batched decode step's vocabulary
+  logits: 49152 rows of 576 against 8 sequences' normalized x): 4 rows a thread, so that each load of the 8 rows of x
+  serves 4 weight rows from registers (a warp a row re-read all of x per row from cache: 138 us of the H200's batched
+  step); a few hundred rows keep a row a thread (above). The plan only, on CUDA's renderer: values in the test below."""
+  x = Tensor.empty(8, 576, device="PYTHON")
+  w = Tensor.empty(49152, 576, dtype=dtypes.bfloat16, device="PYTHON")
+  item = create_schedule([x.linear(w).lazydata])[-1]
+  kernel = Kernel(item.ast, CUDARenderer())
+  hand_coded_optimizations(kernel)
+  assert isinstance(kernel.plan, ThinMatmulPlan) and kernel.plan.rows and kernel.plan.upcast == 4, kernel.plan
+  # the weight rows read as vectors of 4 bfloat16s a thread (8 would leave 72 vectors a row: 8 threads, no warp half)
+  assert kernel.plan.lanes == 4 and kernel.plan.group == 16, kernel.plan
+
+
+def test_many_row_thin_product_values() -> None:
+  """The 4-rows-a-thread plan, its weight rows read as vectors of 8 (forced on a small product: its rows counted as
+  many) against numpy."""
+  from ourgrad.codegen.opt import heuristic
+  rng = np.random.default_rng(3)
+  x_np, w_np = rng.standard_normal((8, 1, 256)).astype(np.float32), rng.standard_normal((64, 256)).astype(np.float32)
+  w = Tensor(w_np, device="PYTHON").cast(dtypes.bfloat16).contiguous().realize()
+  wanted = heuristic.threads_in_flight_wanted
+  heuristic.threads_in_flight_wanted = lambda kernel: 1   # any row count is many
+  try:
+    kernel, got = _emulated(_kernel_item(Tensor(x_np, device="PYTHON").linear(w)))
+  finally:
+    heuristic.threads_in_flight_wanted = wanted
+  assert isinstance(kernel.plan, ThinMatmulPlan) and kernel.plan.upcast == 4 and kernel.plan.lanes == 8, kernel.plan
+  expected = x_np.astype(np.float64) @ w.cast(dtypes.float32).numpy().T.astype(np.float64)
+  np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("sequences, slots", [(1, 24), (2, 40)])
 def test_decode_scores_split_the_head_dim(sequences: int, slots: int) -> None:
   """q (rotated on its loads) . K over every cache slot, plus the mask, as a fixed-shape decode step builds it
@@ -307,7 +340,9 @@ def test_decode_matches_float32_reference(kind: str, sequences: int, target: str
     monkeypatch.setenv("ELEMENT_REDUCES", "1")
     if target == "emulated_cuda_split_attention": monkeypatch.setenv("ATTENTION_CHUNKS", "4")
     clear_caches()   # schedules made without element reduces (the same graphs, earlier tests)
-  if target.startswith("emulated_cuda") and sequences > 1: per_block += 1   # the SwiGLU product, stored
+  if target.startswith("emulated_cuda") and sequences > 1:
+    # the SwiGLU product stored in each block, the final norm's rows before the logits (Llama._decode_graph)
+    per_block, outside = per_block + 1, outside + 1
   weights = _decode_weights(seed=11)
   tensors, values = _stored_as(weights, kind, device)
   model = Llama(DECODE, tensors, max_context=DECODE.context_length, symbolic=False, packed=kind == "q8_0",

@@ -6,7 +6,7 @@ A chain re-reads one layer's weights, which stay in L2, where a step streams eve
 step's launches comes out below the step's own graph (H200, Q8_0, 2 blocks: 41 against 50 us).
 
     python extra/bench/probe_decode_kernels.py --weights q8_0 [--settings ELEMENT_REDUCES=0 ELEMENT_REDUCES=1]
-                                               [--context 520] [--position 8]
+                                               [--context 520] [--position 8] [--sequences 8]
 
 Each setting (VAR=value[,VAR=value], an environment variable or module:CONSTANT of ourgrad such as
 renderer.cuda:SHORT_LOOP_UNROLL, kept for the settings after it) builds the model afresh (random weights, 2 blocks)
@@ -35,7 +35,7 @@ import profile_models  # noqa: E402
 
 
 def probe(weights: str, repeats: int, setting: str, context: int = 520,
-          position: int = 8) -> None:
+          position: int = 8, sequences: int = 1) -> None:
   for assignment in filter(None, setting.split(",")):
     name, value = assignment.split("=", 1)
     if ":" in name:   # module:CONSTANT, a module of ourgrad (codegen.element_reduces) read when kernels are lowered
@@ -44,7 +44,7 @@ def probe(weights: str, repeats: int, setting: str, context: int = 520,
     else: os.environ[name] = value
   clear_caches()   # compiled kernels and schedules made under the settings before
   args = argparse.Namespace(weights=weights, device="CUDA", context=context, position=position, layers=2,
-                            sequences=1, timed=0, host_breakdown=0)
+                            sequences=sequences, timed=0, host_breakdown=0)
   jit, _ = profile_models.decode_workload(args)
   assert jit.captured is not None
   items = [item for item in jit.captured.items if isinstance(item.runner, CompiledRunner)]
@@ -52,8 +52,8 @@ def probe(weights: str, repeats: int, setting: str, context: int = 520,
   names = [item.runner.name for item in items]
   device = Device["CUDA"]
   whole = time_graph(CUDAGraph(device, launches), 50)
-  print(f"[{setting or 'default'}] {weights}, {context} slots, position {position}: {len(launches)} kernels "
-        f"(2 blocks), whole step graph {whole * 1e6:.1f} us")
+  print(f"[{setting or 'default'}] {weights}, {sequences} sequence(s), {context} slots, position {position}: "
+        f"{len(launches)} kernels (2 blocks), whole step graph {whole * 1e6:.1f} us")
   seen: set[str] = set()
   total = 0.0
   for name, launch in zip(names, launches):
@@ -73,8 +73,9 @@ def main() -> None:
   parser.add_argument("--settings", nargs="*", default=[""])
   parser.add_argument("--context", type=int, default=520)
   parser.add_argument("--position", type=int, default=8)
+  parser.add_argument("--sequences", type=int, default=1, help="sequences decoded together (a batched step's kernels)")
   args = parser.parse_args()
-  for setting in args.settings: probe(args.weights, args.repeats, setting, args.context, args.position)
+  for setting in args.settings: probe(args.weights, args.repeats, setting, args.context, args.position, args.sequences)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ bfloat16 and Q8_0 (kept packed). A chain re-reads one matrix, which stays in L2 
     python extra/bench/probe_matvec.py [--formats q8_0 bfloat16] [--shapes 576x960n 1536x576] [--settings "" X=1]
 
 A shape is KxN (k inputs, n outputs); `n` after it: the norm fused; `s`: the input is SwiGLU's silu(gate) * up of
-a (1, 2k) row, computed in the product's kernel (a decode step's down projection). Settings as
+a (1, 2k) row, computed in the product's kernel (a decode step's down projection); `r`: a residual row added to the
+product (the output and down projections' epilogue). `--rows R`: R input rows (a batched decode step's R sequences,
+each weight read once for all of them where the kernel manages it). Settings as
 probe_decode_kernels.py's. `--ncu`: each product's kernels once between cuProfilerStart and cuProfilerStop (for
 `ncu --profile-from-start off`), no timing.
 """
@@ -55,9 +57,10 @@ def reference_values(values: np.ndarray, weights: str) -> np.ndarray:
   return values
 
 
-def product(k: int, n: int, kind: str, weights: str, device: str) -> tuple[TinyJit, Tensor, int, np.ndarray]:
-  """A jitted decode-step product of x (1, k) with an (n, k) matrix in `weights` (`kind`: "n" the norm fused, "s"
-  SwiGLU's input), its input, the bytes of the weight it reads and numpy's result."""
+def product(k: int, n: int, kind: str, weights: str, device: str, batch: int = 1) -> tuple[TinyJit, Tensor, int,
+                                                                                            np.ndarray]:
+  """A jitted decode-step product of x (batch, k) with an (n, k) matrix in `weights` (`kind`: "n" the norm fused, "s"
+  SwiGLU's input, "r" a residual added), its input, the bytes of the weight it reads and numpy's result."""
   norm = kind == "n"
   rng = np.random.default_rng(0)
   values = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
@@ -68,20 +71,24 @@ def product(k: int, n: int, kind: str, weights: str, device: str) -> tuple[TinyJ
   parts = (weight.blocks, weight.scales) if isinstance(weight, PackedTensor) else (weight,)
   nbytes = sum(part.numel() * part.dtype.itemsize for part in parts)
 
+  residual_host = rng.standard_normal((batch, n)).astype(np.float32)
+  residual = Tensor(residual_host, device=device).realize()
+
   def step(x: Tensor) -> Tensor:
     if kind == "s": x = x[:, :k].silu() * x[:, k:]
+    if kind == "r": return (residual + LlamaBlock._linear(x, weight, blocked=True)).contiguous()
     if not norm: return LlamaBlock._linear(x, weight, blocked=True).cast(dtypes.float32).contiguous()
     out = LlamaBlock._linear(x, weight, gain if packed else None, blocked=True)
     return (out * inverse_rms_per_output(x, n, 1e-5, row_layout(weight))).cast(dtypes.float32).contiguous()
-  host = rng.standard_normal((1, 2 * k if kind == "s" else k)).astype(np.float32)
+  host = rng.standard_normal((batch, 2 * k if kind == "s" else k)).astype(np.float32)
   x = Tensor(host, device=device).realize()
   rows = host[:, :k] / (1 + np.exp(-host[:, :k])) * host[:, k:] if kind == "s" else host
   matrix = reference_values(values, weights)
   if norm:
     rows = rows * gain.numpy() if packed else rows
     matrix = matrix if packed else reference_values(values * gain.numpy(), weights)
-    expected = rows @ matrix.T / np.sqrt(np.mean(host ** 2) + 1e-5)
-  else: expected = rows @ matrix.T
+    expected = rows @ matrix.T / np.sqrt(np.mean(host ** 2, axis=-1, keepdims=True) + 1e-5)
+  else: expected = rows @ matrix.T + (residual_host if kind == "r" else 0)
   return TinyJit(step), x, nbytes, expected
 
 
@@ -96,9 +103,9 @@ def probe(args: argparse.Namespace, setting: str) -> None:
   device = Device[Device.DEFAULT]
   for weights in args.formats:
     for shape in args.shapes:
-      kind = shape[-1] if shape[-1] in "ns" else ""
-      k, n = (int(part) for part in shape.rstrip("ns").split("x"))
-      jit, x, nbytes, expected = product(k, n, kind, weights, device.name)
+      kind = shape[-1] if shape[-1] in "nsr" else ""
+      k, n = (int(part) for part in shape.rstrip("nsr").split("x"))
+      jit, x, nbytes, expected = product(k, n, kind, weights, device.name, args.rows)
       for _ in range(2): jit(x)
       error = float(np.abs(jit(x).numpy() - expected).max() / np.abs(expected).max())
       if args.ncu:
@@ -131,6 +138,7 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=32)
   parser.add_argument("--settings", nargs="*", default=[""])
   parser.add_argument("--ncu", action="store_true")
+  parser.add_argument("--rows", type=int, default=1, help="input rows (a batched decode step's sequences)")
   args = parser.parse_args()
   for setting in args.settings: probe(args, setting)
 

@@ -14,6 +14,7 @@ Two views of the same captured kernels:
     python extra/bench/profile_models.py --workload minilm
     python extra/bench/profile_models.py --workload decode [--sequences 8] [--weights bfloat16|q8_0|stored]
     python extra/bench/profile_models.py --workload decode --weights bfloat16 --timed 64 --no-table   (tokens/s)
+    python extra/bench/profile_models.py --workload decode --timed 64 --decode-rows q8_0:1 bfloat16:1 bfloat16:8
 Without a GPU, `--device CLANG` runs the same (slowly, with `--layers 2` for a smoke test); on a shared CPU
 `OMP_NUM_THREADS=1 ... --device CLANG --cpu-time` gives per-kernel figures the other jobs do not change.
 """
@@ -238,6 +239,7 @@ def host_breakdown(model: Llama, args: argparse.Namespace) -> None:
              "step upload (copyin)": per_call(lambda: buffer.copyin(memoryview(host).cast("B"))) if buffer else 0.0,
              "_step_inputs": per_call(lambda: model._step_inputs(ids, [8] * sequences)),
              "id read (numpy)": per_call(lambda: result.numpy()),
+             "id read (read_later)": per_call(lambda: result._buffer().read_later().numpy()),
              "graph launch+sync": per_call(lambda: (graph.launch(), device.synchronize())) if graph else 0.0,
              "jit call+sync": per_call(lambda: (jit(*inputs), device.synchronize()))}
   if graph is not None:
@@ -307,9 +309,16 @@ def main() -> None:
   parser.add_argument("--host-breakdown", type=int, default=0, help="decode: where this many token-on-the-host "
                       "steps spend their wall time (phases, driver costs, cProfile)")
   parser.add_argument("--top", type=int, default=25, help="functions listed by --host-breakdown")
+  parser.add_argument("--decode-rows", nargs="*", default=[], help="decode, with --timed: only the tokens/s rows, of "
+                      "each WEIGHTS:SEQUENCES given (q8_0:1 bfloat16:8), one model after the other in this process")
   args = parser.parse_args()
   args.device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = args.device  # the models' own tensors (BertEncoder's layers) go to this device
+  if args.decode_rows:
+    for row in args.decode_rows:
+      weights, sequences = row.split(":")
+      decode_workload(argparse.Namespace(**{**vars(args), "weights": weights, "sequences": int(sequences)}))
+    return
   workloads = {"prefill": prefill_workload, "minilm": minilm_workload, "decode": decode_workload}
   jit, call = workloads[args.workload](args)
   seconds = profiled_replay(args.device, call)

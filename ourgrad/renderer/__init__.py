@@ -47,6 +47,7 @@ class Renderer:
   # the dtypes of global buffers loaded and stored as vectors of the same bytes (vector_lanes: CUDA adds float16 and
   # bfloat16, 8 of them one 16-byte access)
   vector_dtypes: tuple[DType, ...] = (dtypes.float32,)
+  byte_vector_lanes: int = 0      # bytes one vector access of a 1-byte dtype moves at most (CUDA: 4, one word); 0: any
   # bytes of memory traffic that cost about as much time as one kernel launch (launch overhead x memory bandwidth):
   # the scheduler stores an intermediate in a buffer of its own (one more launch) only when that saves more bytes
   # than this (engine/store_or_recompute.py `_store_or_recompute`). A CPU: ~5 us a call at ~10 GB/s.
@@ -70,7 +71,8 @@ class Renderer:
     16-bit float); 0 where `dtype` is not loaded as vectors. The linearizer makes vectors of this width and the
     heuristics upcast by it: a warp's 16-bit accesses of 8 bytes a lane were half of what it can have in flight."""
     if self.vector_width < 2 or dtype not in self.vector_dtypes: return 0
-    return self.vector_width * dtypes.float32.itemsize // dtype.itemsize
+    lanes = self.vector_width * dtypes.float32.itemsize // dtype.itemsize
+    return min(lanes, self.byte_vector_lanes) if dtype.itemsize == 1 and self.byte_vector_lanes else lanes
 
   @property
   def runs_thread_blocks(self) -> bool:

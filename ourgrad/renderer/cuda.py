@@ -218,11 +218,7 @@ class CUDARenderer(CStyleLanguage):
   # 32-bit word (render_vector_type)
   vector_dtypes = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.int32, dtypes.uint8, dtypes.int8)
   byte_vector_names = {dtypes.uint8: "uchar", dtypes.int8: "char"}
-
-  def vector_lanes(self, dtype: DType) -> int:
-    """As Renderer.vector_lanes, but bytes at most 4 a vector (one 32-bit word)."""
-    lanes = super().vector_lanes(dtype)
-    return min(lanes, 4) if dtype in self.byte_vector_names else lanes
+  byte_vector_lanes = 4   # one 32-bit word (render_vector_type)
 
   def render_vector_type(self, width: int, dtype: DType) -> str:
     # bytes as one word (their lanes taken out by shifts, or as floats by byte_lane_float): a uchar4 is four 8-bit

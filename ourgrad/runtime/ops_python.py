@@ -102,8 +102,8 @@ class PythonRenderer(Renderer):
     self.has_fused_attention = True   # runtime/attention_emulator.py
     self.set_gpu_facts(ASSUMED_CUDA_GPU)
     for limit in ("max_threads", "has_local", "local_memory_bytes", "warp_size", "vector_width", "vector_dtypes",
-                  "global_max",
-                  "local_max", "tensor_cores", "has_async_copy", "launch_bytes", "latency_bytes", "has_block_atomics"):
+                  "byte_vector_lanes", "global_max", "local_max", "tensor_cores", "has_async_copy", "launch_bytes",
+                  "latency_bytes", "has_block_atomics"):
       setattr(self, limit, getattr(CUDARenderer, limit))
 
   def render(self, name: str, uops: list[UOp]) -> str:

@@ -107,6 +107,12 @@ THIN_BLOCKS_PER_MULTIPROCESSOR = 4
 # rows. A plain load of it is cheaper than the threads the upcast takes away.
 THIN_ROWS_PER_THREAD = 4
 THIN_RECOMPUTE_COST = 4
+# a rows plan with many rows (the `many` rule in ThinMatmulStrategy) reads its wide operand as vectors of at most this
+# many elements a thread (its reduce axis unrolled by them before GROUP, as _unroll_vector_lanes does for a row
+# reduction), where the threads left are still a power of two of at least half a warp. H200, 8 sequences' bf16 logits
+# (49152 x 576): 39.4 -> 27.2 us; the few-row output and down projections were no faster (3.04 -> 3.37, 3.80 -> 3.84
+# us), so they keep an element a thread (results/ck_s21/dec_gpu21_1.txt). 1: off
+THIN_VECTOR_LANES = 8
 
 
 @register_plan
@@ -122,6 +128,7 @@ class ThinMatmulPlan(Plan):
   group: int
   unroll: int = 0
   upcast: int = 1
+  lanes: int = 1
 
   def apply(self, kernel: Kernel) -> bool:
     axes = dense_matmul_axes(kernel)
@@ -132,6 +139,7 @@ class ThinMatmulPlan(Plan):
     if self.rows: outputs += [Opt(OptOps.UPCAST, narrow, sizes[narrow]), Opt(OptOps.UPCAST, wide, self.upcast)]
     # an amount of 1 is no opt; the reduce split comes after the output axes' opts
     if not kernel.try_output_opts([opt for opt in outputs if opt.amount > 1]): return False
+    if self.lanes > 1 and not kernel.try_opt(Opt(OptOps.UNROLL, 0, self.lanes)): return False
     reduce = OptOps.GROUP if self.rows else OptOps.GROUPTOP
     if self.group > 1 and not kernel.try_opt(Opt(reduce, 0, self.group)): return False
     return not self.unroll or kernel.try_opt(Opt(OptOps.UNROLL, 0, self.unroll))
@@ -157,12 +165,18 @@ class ThinMatmulStrategy(Strategy):
     if sizes[narrow] > THIN_SIDE or sizes[k_axis] < 4 * WARP_SIZE: return None
     wide_loads = [st for st in memory_loads(kernel) if st.real_strides()[wide] != 0 and st.real_strides()[k_axis] != 0]
     rows = all(st.real_strides()[k_axis] == 1 for st in wide_loads)
-    upcast = 1
+    upcast, lanes = 1, 1
     if rows:
       recomputed = _cost_broadcast_along(kernel, wide) >= THIN_RECOMPUTE_COST
-      upcast = THIN_ROWS_PER_THREAD if recomputed and sizes[narrow] >= THIN_ROWS_PER_THREAD else 1
+      # rows so many that a warp per THIN_ROWS_PER_THREAD of them still fills the device (a batched decode step's
+      # vocabulary logits, 49152 rows): each load of the narrow operand (every sequence's x, re-read per row from
+      # cache otherwise: 18 KB a row at 8 sequences) serves that many rows from registers
+      many = prod(sizes[:min(axes)]) * sizes[wide] // THIN_ROWS_PER_THREAD * WARP_SIZE >= \
+        threads_in_flight_wanted(kernel)
+      upcast = THIN_ROWS_PER_THREAD if (recomputed or many) and sizes[narrow] >= THIN_ROWS_PER_THREAD else 1
       if sizes[wide] % upcast: upcast = 1
-      group = power_of_two_divisor(sizes[k_axis], WARP_SIZE)
+      lanes = _thin_row_lanes(kernel, wide_loads, sizes[k_axis]) if many and upcast > 1 else 1
+      group = power_of_two_divisor(sizes[k_axis] // lanes, WARP_SIZE)
       local = power_of_two_divisor(sizes[wide] // upcast, BLOCK_THREADS // 2 // group)
       # a warp per row while that leaves 4 blocks per multiprocessor (H100, 512x10 outputs: a row per block 0.010 ms,
       # 2 rows 0.013)
@@ -171,16 +185,27 @@ class ThinMatmulStrategy(Strategy):
       while local > 1 and rows_of // local < THIN_BLOCKS_PER_MULTIPROCESSOR * processors: local //= 2
       # few rows (a batched decode step's 576 x 8 outputs: a warp each left 4 warps per H200 multiprocessor, its down
       # projection at 20 GB/s): more GROUP threads per row
-      group = _more_group_threads(sizes[k_axis], group, rows_of * group, threads_in_flight_wanted(kernel),
-                                  BLOCK_THREADS // local)
+      group = _more_group_threads(sizes[k_axis] // lanes, group, rows_of * group, threads_in_flight_wanted(kernel),
+                                  BLOCK_THREADS // local, max(1, MIN_THREAD_LOOP // lanes))
     else:
       local = power_of_two_divisor(sizes[wide], WARP_SIZE)
       group = power_of_two_divisor(sizes[k_axis] // 2, BLOCK_THREADS // local)
-    loop = sizes[k_axis] // group
+    loop = sizes[k_axis] // lanes // group
     for unroll in ((4, 0) if loop % 4 == 0 and loop > 4 else (0,)):
-      plan, trial = ThinMatmulPlan(rows, local, group, unroll, upcast), kernel.copy()
+      plan, trial = ThinMatmulPlan(rows, local, group, unroll, upcast, lanes), kernel.copy()
       if plan.apply(trial): return plan, trial
     return None
+
+
+def _thin_row_lanes(kernel: Kernel, wide_loads: list[ShapeTracker], k: int) -> int:
+  """The vector a thread of a thin rows plan reads of its wide operand (THIN_VECTOR_LANES at most, the renderer's
+  vector of that operand's dtype): the widest that divides the reduce and leaves a power-of-two group of at least
+  half a warp (combined by shuffles). 1: one element a thread."""
+  dtypes_of = {id(st): leaf.dtype for st, leaf in zip(kernel.sts, kernel.leaves)}
+  widest = min((kernel.renderer.vector_lanes(dtypes_of[id(st)]) for st in wide_loads), default=0)
+  lanes = min(THIN_VECTOR_LANES, widest)
+  while lanes > 1 and (k % lanes or power_of_two_divisor(k // lanes, WARP_SIZE) < WARP_SIZE // 2): lanes //= 2
+  return max(lanes, 1)
 
 
 def _cost_broadcast_along(kernel: Kernel, axis: int) -> int:
