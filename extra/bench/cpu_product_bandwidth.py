@@ -1,0 +1,171 @@
+"""How close SmolLM2's CPU decode products come to the machine's read bandwidth, measured in one process.
+
+A decode step's quantized products stream every weight from memory once a token (~96 MB for the Q4_1 file: more
+than the 32 MB L3), so their floor is the bytes over the read bandwidth of the threads that run them. This script
+captures the jitted decode step (stored weights, 520 slots), keeps its product launches (the kernels whose largest
+input is a packed uint8 weight of at least `--min-bytes`), and replays only those, in the step's order with their
+own arguments, alternately with a plain read of the same weight buffers in the same order (an AVX2 / SSE sum over
+each buffer, its lines split over the threads as the products' rows are: `#pragma omp parallel for`). Optional
+variant B of the products' C (`--replace PATTERN REPLACEMENT`, as cpu_decode_ab.py) joins the alternation. It
+prints each one's median wall time, GB/s of weight bytes, and the products' share of the read's bandwidth
+(median of per-round ratios), and whether B's outputs equal A's bit for bit.
+
+    OMP_NUM_THREADS=2 PYTHONPATH=. python extra/bench/cpu_product_bandwidth.py --rounds 20
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import pathlib
+import re
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's ourgrad
+from ourgrad import Device  # noqa: E402  (first: the CLANG device sets libgomp's wait policy before torch loads)
+
+from extra.models.generate import smollm2_path  # noqa: E402
+from extra.models.llama import Llama  # noqa: E402
+
+# one pass over `bytes` bytes, 64-byte lines split over the threads like a product's rows; the sums land in `out`
+READ_SOURCE = """
+#include <immintrin.h>
+#include <omp.h>
+void og_read_bytes(const unsigned char* restrict data, long bytes, long long* restrict out) {
+  long lines = bytes / 64;
+  long long total = 0;
+  #pragma omp parallel reduction(+:total)
+  {
+    long share = (lines + omp_get_num_threads() - 1) / omp_get_num_threads();
+    long first = share * omp_get_thread_num(), end = first + share < lines ? first + share : lines;
+#if defined(__AVX2__)
+    __m256i sums = _mm256_setzero_si256();
+    for (long line = first; line < end; line++) {
+      __m256i a = _mm256_loadu_si256((const __m256i*)(data + line * 64));
+      __m256i b = _mm256_loadu_si256((const __m256i*)(data + line * 64 + 32));
+      sums = _mm256_add_epi64(sums, _mm256_xor_si256(a, b));
+    }
+    total += _mm256_extract_epi64(sums, 0) + _mm256_extract_epi64(sums, 1) + _mm256_extract_epi64(sums, 2) +
+             _mm256_extract_epi64(sums, 3);
+#else
+    for (long line = first; line < end; line++)
+      for (int i = 0; i < 64; i += 8) total += *(const long long*)(data + line * 64 + i);
+#endif
+  }
+  out[0] += total;
+}
+"""
+
+
+def product_calls(replay: Any, min_bytes: int) -> list[tuple[int, Any, list[Any], Any]]:
+  """(index in the replay, function, arguments, weight buffer) of each product launch: a host kernel calling the
+  byte dot helpers (renderer/cbytedot.py); its weight is its smallest uint8 input of at least `min_bytes` (layer 0's
+  products also take the 30 MB embedding, which they gather one row of)."""
+  calls = []
+  for index, (item, call) in enumerate(zip(replay.items, replay.host_calls)):
+    if call is None or "og_dot_add" not in item.runner.source: continue
+    weights = [buffer for buffer in item.bufs[1:] if buffer.dtype.itemsize == 1 and buffer.nbytes >= min_bytes]
+    if weights: calls.append((index, call[0], call[1], min(weights, key=lambda buffer: buffer.nbytes)))
+  return calls
+
+
+def compile_function(name: str, source: str) -> Any:
+  device = Device["CLANG"]
+  return device.program(name, device.compiler.compile_cached(source)).function
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rounds", type=int, default=20)
+  parser.add_argument("--min-bytes", type=int, default=64 * 1024, help="the smallest weight counted as a product's")
+  parser.add_argument("--hot", action="store_true",
+                      help="also replay the products with every layer's launch reading layer 0's weights (in cache): "
+                           "their compute-bound time")
+  parser.add_argument("--replace", nargs=2, action="append", default=[], metavar=("PATTERN", "REPLACEMENT"),
+                      help="variant B: a regex replacement applied to every product kernel's C source")
+  args = parser.parse_args()
+
+  model, _ = Llama.from_gguf(smollm2_path(), 520, "CLANG", symbolic=False, dtype="stored")
+  for position in range(9, 13): model.decode([5], [position]).numpy()
+  replay = model._decode_jit.captured.replay_runner
+  calls = product_calls(replay, args.min_bytes)
+  weight_bytes = sum(weight.nbytes for _, _, _, weight in calls)
+  print(f"{len(calls)} product launches of {len(replay.items)}, {weight_bytes / 1e6:.1f} MB of weights a step")
+
+  read = compile_function("og_read_bytes", READ_SOURCE)
+  sink = np.zeros(1, np.int64)
+  sink_pointer = ctypes.c_void_p(sink.ctypes.data)
+  reads = [(weight.host_pointer(), ctypes.c_long(weight.nbytes)) for _, _, _, weight in calls]
+  variants: dict[str, Callable[[], None]] = {}
+
+  def products(functions: list[Any]) -> Callable[[], None]:
+    def run() -> None:
+      for function, (_, _, arguments, _) in zip(functions, calls): function(*arguments)
+    return run
+  variants["A"] = products([function for _, function, _, _ in calls])
+
+  if args.hot:   # each launch's weight argument replaced by the first launch of the same kernel's
+    first_weight: dict[str, Any] = {}
+    hot_calls = []
+    for index, function, arguments, weight in calls:
+      name = replay.items[index].runner.name
+      position = [buffer.host_pointer().value for buffer in replay.items[index].bufs].index(weight.host_pointer().value)
+      hot_arguments = list(arguments)
+      hot_arguments[position] = first_weight.setdefault(name, arguments[position])
+      hot_calls.append((function, hot_arguments))
+
+    def hot() -> None:
+      for function, arguments in hot_calls: function(*arguments)
+    variants["hot"] = hot
+
+  def read_all() -> None:
+    for pointer, size in reads: read(pointer, size, sink_pointer)
+  variants["read"] = read_all
+  outputs = {}
+  if args.replace:
+    edited: dict[str, Any] = {}
+    functions = []
+    for index, function, _, _ in calls:
+      runner = replay.items[index].runner
+      source = runner.source
+      for pattern, replacement in args.replace: source = re.sub(pattern, replacement, source)
+      if source == runner.source: functions.append(function)
+      else: functions.append(edited.setdefault(source, compile_function(runner.name, source)))
+    variants["B"] = products(functions)
+    print(f"variant B: {len(edited)} kernels edited")
+    # the step's planned buffers alias: a product's output may be a later product's input, so each checked run
+    # starts from the same bytes in every buffer the products touch
+    touched = {buffer.host_pointer().value: buffer for index, _, _, _ in calls for buffer in replay.items[index].bufs}
+    saved = {pointer: buffer.numpy().tobytes() for pointer, buffer in touched.items()}
+    for name in ("A", "B"):
+      for pointer, data in saved.items(): ctypes.memmove(pointer, data, len(data))
+      variants[name]()
+      outputs[name] = [replay.items[index].bufs[0].numpy().copy() for index, _, _, _ in calls]
+    same = all(a.tobytes() == b.tobytes() for a, b in zip(outputs["A"], outputs["B"]))   # NaNs of unused bytes too
+    print(f"B's outputs equal A's bit for bit: {same}")
+
+  times: dict[str, list[float]] = {name: [] for name in variants}
+  names = list(variants)
+  for round_number in range(args.rounds):
+    for name in (names if round_number % 2 == 0 else names[::-1]):
+      started = time.perf_counter()
+      variants[name]()
+      times[name].append(time.perf_counter() - started)
+  for name in names:
+    median = statistics.median(times[name])
+    print(f"{name:5s} median {median * 1e3:7.2f} ms, min {min(times[name]) * 1e3:7.2f} ms, "
+          f"{weight_bytes / median / 1e9:6.2f} GB/s of weights")
+  for name in names:
+    if name in ("read", "hot"): continue
+    ratios = [r / p for p, r in zip(times[name], times["read"])]
+    print(f"{name}: share of the read's bandwidth per round: median {statistics.median(ratios):.3f}")
+  if "B" in variants:
+    print(f"B / A per round: median {statistics.median(b / a for a, b in zip(times['A'], times['B'])):.3f}")
+
+
+if __name__ == "__main__":
+  main()
