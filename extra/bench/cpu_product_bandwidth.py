@@ -11,6 +11,9 @@ prints each one's median wall time, GB/s of weight bytes, and the products' shar
 (median of per-round ratios), and whether B's outputs equal A's bit for bit.
 
     OMP_NUM_THREADS=2 PYTHONPATH=. python extra/bench/cpu_product_bandwidth.py --rounds 20
+
+`--random` needs no GGUF file: SmolLM2's product shapes (per layer Q4_1 960x576, 576x576, 3072x576, 576x1536; a Q8_0
+49152x576 head) with random blocks, each product of a random x captured by a TinyJit (a machine without the file).
 """
 from __future__ import annotations
 
@@ -28,8 +31,17 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's ourgrad
 from ourgrad import Device  # noqa: E402  (first: the CLANG device sets libgomp's wait policy before torch loads)
 
+from ourgrad import Tensor  # noqa: E402
+from ourgrad.engine.jit import TinyJit  # noqa: E402
+from ourgrad.nn.gguf import GGML_Q4_1, GGML_Q8_0, PackedTensor  # noqa: E402
+
 from extra.models.generate import smollm2_path  # noqa: E402
 from extra.models.llama import Llama  # noqa: E402
+
+# SmolLM2-135M's products: (output rows, input columns, type) per layer, and the tied Q8_0 head
+LAYER_PRODUCTS = ((960, 576, GGML_Q4_1), (576, 576, GGML_Q4_1), (3072, 576, GGML_Q4_1), (576, 1536, GGML_Q4_1))
+HEAD_PRODUCT = (49152, 576, GGML_Q8_0)
+BLOCK_BYTES = {GGML_Q4_1: 20, GGML_Q8_0: 34}
 
 # one pass over `bytes` bytes, 64-byte lines split over the threads like a product's rows; the sums land in `out`
 READ_SOURCE = """
@@ -73,6 +85,32 @@ def product_calls(replay: Any, min_bytes: int) -> list[tuple[int, Any, list[Any]
   return calls
 
 
+def random_packed(rows: int, columns: int, ggml_type: int, rng: np.random.Generator) -> PackedTensor:
+  """A (rows, columns) matrix of random blocks of `ggml_type`, their f16 scales small and finite."""
+  count = rows * columns // 32
+  raw = rng.integers(0, 256, (count, BLOCK_BYTES[ggml_type]), dtype=np.uint8)
+  for offset in ((0, 2) if ggml_type == GGML_Q4_1 else (0,)):
+    raw[:, offset:offset + 2] = rng.uniform(0.001, 0.05, count).astype("<f2").view(np.uint8).reshape(count, 2)
+  return PackedTensor.from_blocks(ggml_type, Tensor(raw), (rows, columns))
+
+
+def random_replay(layers: int) -> Any:
+  """The captured replay of SmolLM2's products on random blocks and random activations (--random)."""
+  rng = np.random.default_rng(0)
+  matrices = [random_packed(*shape, rng) for _ in range(layers) for shape in LAYER_PRODUCTS]
+  matrices.append(random_packed(*HEAD_PRODUCT, rng))
+  inputs = {columns: Tensor(rng.standard_normal((1, columns)).astype(np.float32)).realize()
+            for _, columns, _ in LAYER_PRODUCTS}
+
+  @TinyJit
+  def products() -> list[Tensor]:
+    outputs = [matrix.integer_linear(inputs[matrix.shape[1]]) for matrix in matrices]
+    Tensor.realize(*outputs)
+    return outputs
+  for _ in range(3): products()
+  return products.captured.replay_runner
+
+
 def compile_function(name: str, source: str) -> Any:
   device = Device["CLANG"]
   return device.program(name, device.compiler.compile_cached(source)).function
@@ -82,6 +120,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=20)
   parser.add_argument("--min-bytes", type=int, default=64 * 1024, help="the smallest weight counted as a product's")
+  parser.add_argument("--random", action="store_true", help="random blocks of SmolLM2's product shapes (no GGUF)")
+  parser.add_argument("--layers", type=int, default=30, help="--random: layers of products")
   parser.add_argument("--hot", action="store_true",
                       help="also replay the products with every layer's launch reading layer 0's weights (in cache): "
                            "their compute-bound time")
@@ -89,9 +129,11 @@ def main() -> None:
                       help="variant B: a regex replacement applied to every product kernel's C source")
   args = parser.parse_args()
 
-  model, _ = Llama.from_gguf(smollm2_path(), 520, "CLANG", symbolic=False, dtype="stored")
-  for position in range(9, 13): model.decode([5], [position]).numpy()
-  replay = model._decode_jit.captured.replay_runner
+  if args.random: replay = random_replay(args.layers)
+  else:
+    model, _ = Llama.from_gguf(smollm2_path(), 520, "CLANG", symbolic=False, dtype="stored")
+    for position in range(9, 13): model.decode([5], [position]).numpy()
+    replay = model._decode_jit.captured.replay_runner
   calls = product_calls(replay, args.min_bytes)
   weight_bytes = sum(weight.nbytes for _, _, _, weight in calls)
   print(f"{len(calls)} product launches of {len(replay.items)}, {weight_bytes / 1e6:.1f} MB of weights a step")
