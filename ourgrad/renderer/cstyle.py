@@ -642,7 +642,8 @@ class ClangRenderer(CStyleLanguage):
   def render_byte_dot_add(self, uop: UOp, ref: Callable[[UOp], str]) -> str:
     """A BYTE_DOT_ADD as calls of the CLANG_BYTE_DOT helpers: each pair's lanes added into SIMD int32 partial sums,
     then those times the factor added into the float lanes. Unsigned pairs go two at a time (`og_dot_add2`: a Q4
-    block's low and high nibbles, one 256-bit multiply-add where the target has AVX2)."""
+    block's low and high nibbles, one 256-bit multiply-add where the target has AVX2; `og_dot_add_split` where both
+    read the same bytes against adjacent activations: cbytedot.split_pair)."""
     count, selects = uop.arg
     sums = "og_dot_start()"
     pairs = [((shift, mask), *operands) for (shift, mask), operands in zip(selects, zip(*[iter(uop.srcs[2:])] * 4))]
