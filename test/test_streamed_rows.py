@@ -16,6 +16,7 @@ from ourgrad import Device, GlobalCounters, Tensor, dtypes
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.streamed_rows import STREAMED_ROW_VECTORS
+from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.nn.gguf import GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, PackedTensor
 from ourgrad.ops import Ops
@@ -140,6 +141,34 @@ def test_integer_product_kernel_sums_blocks_as_integers(ggml_type: int) -> None:
   if ggml_type == GGML_Q8_0: assert body.count("og_dot_add_s8(") == 1 and "og_dot_add(" not in body
   else:   # both nibbles' pairs in one call, the bytes loaded once (og_dot_add_split)
     assert body.count("og_dot_add_split(") == 1 and "og_dot_add(" not in body and "og_dot_add2(" not in body
+
+
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_1, GGML_Q4_0], ids=["Q4_1", "Q4_0"])
+def test_split_nibble_pairs_give_the_pairwise_helpers_bits(ggml_type: int) -> None:
+  """og_dot_add_split (a Q4 block's bytes loaded once, one mask) gives the bits of og_dot_add2 (each nibble pair
+  loaded and masked apart) for the same kernel: both fill the same int32 lanes, so the float sums are the same."""
+  rows, columns = 37, 288
+  rng = np.random.default_rng(11 + ggml_type)
+  packed = PackedTensor.from_blocks(ggml_type, Tensor(random_blocks(ggml_type, rows * columns // 32, rng)),
+                                    (rows, columns))
+  output = packed.integer_linear(Tensor(rng.standard_normal((1, columns)).astype(np.float32)))
+  schedule = [item for item in create_schedule([output.lazydata]) if item.outputs]
+  run_schedule(schedule[:-1])
+  item = schedule[-1]
+  kernel = Kernel(item.ast, RENDERER)
+  kernel.hand_coded_optimizations()
+  source = RENDERER.render("k", linearize(kernel))
+  pairwise = re.sub(r"og_dot_add_split\((og_dot_start\(\)), ([^,]+), (\d+), (\d+), (\d+), ([^,]+), (\d+)\)",
+                    r"og_dot_add2(\1, \2, \3, \5, \6, \2, \4, \5, \6 + \7, \7)", source)
+  assert source.count("og_dot_add_split(og_dot_start()") == 1 and "og_dot_add_split(" not in _kernel_body(pairwise)
+  device = Device[Device.DEFAULT]
+  outputs = []
+  for variant in (source, pairwise):
+    for buffer in item.bufs: buffer.allocate()
+    device.program("k", device.compiler.compile_cached(variant)).function(
+      *[buffer.host_pointer() for buffer in item.bufs])
+    outputs.append(item.bufs[0].numpy().tobytes())
+  assert outputs[0] == outputs[1]
 
 
 @pytest.mark.parametrize("ggml_type", [GGML_Q4_1, GGML_Q8_0], ids=["Q4_1", "Q8_0"])
