@@ -116,6 +116,65 @@ def compile_function(name: str, source: str) -> Any:
   return device.program(name, device.compiler.compile_cached(source)).function
 
 
+Launch = tuple[Callable[..., Any], list[Any], str]   # a function, its arguments, the kernel's name
+
+
+def hot_launches(replay: Any, calls: list[tuple[int, Any, list[Any], Any]]) -> list[Launch]:
+  """The product launches with each one's weight argument replaced by the first launch of the same kernel's."""
+  first_weight: dict[str, Any] = {}
+  launches = []
+  for index, function, arguments, weight in calls:
+    name = replay.items[index].runner.name
+    position = [buffer.host_pointer().value for buffer in replay.items[index].bufs].index(weight.host_pointer().value)
+    hot_arguments = list(arguments)
+    hot_arguments[position] = first_weight.setdefault(name, arguments[position])
+    launches.append((function, hot_arguments, name))
+  return launches
+
+
+def edited_launches(replay: Any, calls: list[tuple[int, Any, list[Any], Any]],
+                    replacements: list[tuple[str, str]]) -> tuple[list[Launch], int]:
+  """The product launches with each kernel's C source edited by `replacements` and compiled, and how many kernels
+  changed."""
+  edited: dict[str, Any] = {}
+  launches = []
+  for index, function, arguments, _ in calls:
+    runner = replay.items[index].runner
+    source = runner.source
+    for pattern, replacement in replacements: source = re.sub(pattern, replacement, source)
+    if source != runner.source: function = edited.setdefault(source, compile_function(runner.name, source))
+    launches.append((function, arguments, runner.name))
+  return launches, len(edited)
+
+
+def same_outputs(replay: Any, calls: list[tuple[int, Any, list[Any], Any]], first: list[Launch],
+                 second: list[Launch]) -> bool:
+  """Whether two variants' launches write the same bytes. The step's planned buffers alias (a product's output may
+  be a later product's input), so each run starts from the same bytes in every buffer the products touch."""
+  touched = {buffer.host_pointer().value: buffer for index, _, _, _ in calls for buffer in replay.items[index].bufs}
+  saved = {pointer: buffer.numpy().tobytes() for pointer, buffer in touched.items()}
+  outputs = []
+  for launches in (first, second):
+    for pointer, data in saved.items(): ctypes.memmove(pointer, data, len(data))
+    run(launches, None)
+    outputs.append([replay.items[index].bufs[0].numpy().tobytes() for index, _, _, _ in calls])   # NaNs too
+  return outputs[0] == outputs[1]
+
+
+def run(launches: list[Launch], per_kernel: dict[str, float] | None) -> float:
+  """Seconds of wall time to run `launches` in order; with `per_kernel`, each kernel's seconds are added to it."""
+  clock = time.perf_counter
+  started = clock()
+  if per_kernel is None:
+    for function, arguments, _ in launches: function(*arguments)
+  else:
+    for function, arguments, name in launches:
+      before = clock()
+      function(*arguments)
+      per_kernel[name] = per_kernel.get(name, 0.0) + clock() - before
+  return clock() - started
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=20)
@@ -125,6 +184,8 @@ def main() -> None:
   parser.add_argument("--hot", action="store_true",
                       help="also replay the products with every layer's launch reading layer 0's weights (in cache): "
                            "their compute-bound time")
+  parser.add_argument("--per-kernel", action="store_true",
+                      help="each product kernel's median time against the read of its own weights")
   parser.add_argument("--replace", nargs=2, action="append", default=[], metavar=("PATTERN", "REPLACEMENT"),
                       help="variant B: a regex replacement applied to every product kernel's C source")
   args = parser.parse_args()
@@ -141,62 +202,24 @@ def main() -> None:
   read = compile_function("og_read_bytes", READ_SOURCE)
   sink = np.zeros(1, np.int64)
   sink_pointer = ctypes.c_void_p(sink.ctypes.data)
-  reads = [(weight.host_pointer(), ctypes.c_long(weight.nbytes)) for _, _, _, weight in calls]
-  variants: dict[str, Callable[[], None]] = {}
-
-  def products(functions: list[Any]) -> Callable[[], None]:
-    def run() -> None:
-      for function, (_, _, arguments, _) in zip(functions, calls): function(*arguments)
-    return run
-  variants["A"] = products([function for _, function, _, _ in calls])
-
-  if args.hot:   # each launch's weight argument replaced by the first launch of the same kernel's
-    first_weight: dict[str, Any] = {}
-    hot_calls = []
-    for index, function, arguments, weight in calls:
-      name = replay.items[index].runner.name
-      position = [buffer.host_pointer().value for buffer in replay.items[index].bufs].index(weight.host_pointer().value)
-      hot_arguments = list(arguments)
-      hot_arguments[position] = first_weight.setdefault(name, arguments[position])
-      hot_calls.append((function, hot_arguments))
-
-    def hot() -> None:
-      for function, arguments in hot_calls: function(*arguments)
-    variants["hot"] = hot
-
-  def read_all() -> None:
-    for pointer, size in reads: read(pointer, size, sink_pointer)
-  variants["read"] = read_all
-  outputs = {}
+  variants: dict[str, list[Launch]] = {"A": [(function, arguments, replay.items[index].runner.name)
+                                             for index, function, arguments, _ in calls]}
+  if args.hot: variants["hot"] = hot_launches(replay, calls)
+  variants["read"] = [(read, [weight.host_pointer(), ctypes.c_long(weight.nbytes), sink_pointer],
+                       replay.items[index].runner.name) for index, _, _, weight in calls]
   if args.replace:
-    edited: dict[str, Any] = {}
-    functions = []
-    for index, function, _, _ in calls:
-      runner = replay.items[index].runner
-      source = runner.source
-      for pattern, replacement in args.replace: source = re.sub(pattern, replacement, source)
-      if source == runner.source: functions.append(function)
-      else: functions.append(edited.setdefault(source, compile_function(runner.name, source)))
-    variants["B"] = products(functions)
-    print(f"variant B: {len(edited)} kernels edited")
-    # the step's planned buffers alias: a product's output may be a later product's input, so each checked run
-    # starts from the same bytes in every buffer the products touch
-    touched = {buffer.host_pointer().value: buffer for index, _, _, _ in calls for buffer in replay.items[index].bufs}
-    saved = {pointer: buffer.numpy().tobytes() for pointer, buffer in touched.items()}
-    for name in ("A", "B"):
-      for pointer, data in saved.items(): ctypes.memmove(pointer, data, len(data))
-      variants[name]()
-      outputs[name] = [replay.items[index].bufs[0].numpy().copy() for index, _, _, _ in calls]
-    same = all(a.tobytes() == b.tobytes() for a, b in zip(outputs["A"], outputs["B"]))   # NaNs of unused bytes too
-    print(f"B's outputs equal A's bit for bit: {same}")
+    variants["B"], changed = edited_launches(replay, calls, args.replace)
+    print(f"variant B: {changed} kernels edited")
+    print(f"B's outputs equal A's bit for bit: {same_outputs(replay, calls, variants['A'], variants['B'])}")
 
   times: dict[str, list[float]] = {name: [] for name in variants}
+  kernel_times: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
   names = list(variants)
   for round_number in range(args.rounds):
     for name in (names if round_number % 2 == 0 else names[::-1]):
-      started = time.perf_counter()
-      variants[name]()
-      times[name].append(time.perf_counter() - started)
+      per_kernel: dict[str, float] | None = {} if args.per_kernel else None
+      times[name].append(run(variants[name], per_kernel))
+      if per_kernel is not None: kernel_times[name].append(per_kernel)
   for name in names:
     median = statistics.median(times[name])
     print(f"{name:5s} median {median * 1e3:7.2f} ms, min {min(times[name]) * 1e3:7.2f} ms, "
@@ -207,6 +230,26 @@ def main() -> None:
     print(f"{name}: share of the read's bandwidth per round: median {statistics.median(ratios):.3f}")
   if "B" in variants:
     print(f"B / A per round: median {statistics.median(b / a for a, b in zip(times['A'], times['B'])):.3f}")
+  if args.per_kernel: print_kernel_table(calls, replay, kernel_times)
+
+
+def print_kernel_table(calls: list[tuple[int, Any, list[Any], Any]], replay: Any,
+                       kernel_times: dict[str, list[dict[str, float]]]) -> None:
+  """Each product kernel's launches, weight bytes, median milliseconds a step of the products and of the read of
+  the same weights, and the products' share of that read (median of per-round ratios)."""
+  weights: dict[str, int] = {}
+  launches: dict[str, int] = {}
+  for index, _, _, weight in calls:
+    name = replay.items[index].runner.name
+    weights[name] = weights.get(name, 0) + weight.nbytes
+    launches[name] = launches.get(name, 0) + 1
+  print(f"{'kernel':24s} {'launches':>8s} {'MB':>7s} {'A ms':>8s} {'read ms':>8s} {'share':>6s}")
+  for name in sorted(weights, key=lambda kernel: -weights[kernel]):
+    products = [round_times[name] for round_times in kernel_times["A"]]
+    reads = [round_times[name] for round_times in kernel_times["read"]]
+    share = statistics.median(r / p for p, r in zip(products, reads))
+    print(f"{name:24s} {launches[name]:8d} {weights[name] / 1e6:7.1f} {statistics.median(products) * 1e3:8.3f} "
+          f"{statistics.median(reads) * 1e3:8.3f} {share:6.3f}")
 
 
 if __name__ == "__main__":
