@@ -16,6 +16,7 @@ from ourgrad import Device, GlobalCounters, Tensor, dtypes
 from ourgrad.codegen.kernel import Kernel
 from ourgrad.codegen.linearizer import linearize
 from ourgrad.codegen.streamed_rows import STREAMED_ROW_VECTORS
+from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.nn.gguf import GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, PackedTensor
 from ourgrad.ops import Ops
@@ -126,8 +127,8 @@ def test_integer_product_kernel_sums_blocks_as_integers(ggml_type: int) -> None:
   """The product's row kernel takes each block's products as an int32 sum (no float lanes) and reads the packed
   bytes and the int8 activation: fewer bytes than the float32 product's vector and matrix. A Q4 block's nibbles
   times the int8 activation is one byte dot product (UOps.BYTE_DOT_ADD: SIMD byte multiply-adds, the low and the
-  high nibbles each a pair, both in one helper call: one 256-bit multiply-add with AVX2, into float lanes totalled
-  once a row); Q8_0's signed x signed bytes one pair widened to 16 bits."""
+  high nibbles each a pair, both in one helper call reading the block's bytes once: one 256-bit multiply-add with
+  AVX2, into float lanes totalled once a row); Q8_0's signed x signed bytes one pair widened to 16 bits."""
   rows, columns = 64, 576
   rng = np.random.default_rng(3)
   raw = random_blocks(ggml_type, rows * columns // 32, rng)
@@ -138,7 +139,36 @@ def test_integer_product_kernel_sums_blocks_as_integers(ggml_type: int) -> None:
   body = _kernel_body(source)
   assert "og_lanes_total(lanes0)" in body and "#pragma omp simd" not in body
   if ggml_type == GGML_Q8_0: assert body.count("og_dot_add_s8(") == 1 and "og_dot_add(" not in body
-  else: assert body.count("og_dot_add2(") == 1 and "og_dot_add(" not in body   # both nibbles' pairs in one call
+  else:   # both nibbles' pairs in one call, the bytes loaded once (og_dot_add_split)
+    assert body.count("og_dot_add_split(") == 1 and "og_dot_add(" not in body and "og_dot_add2(" not in body
+
+
+@pytest.mark.parametrize("ggml_type", [GGML_Q4_1, GGML_Q4_0], ids=["Q4_1", "Q4_0"])
+def test_split_nibble_pairs_give_the_pairwise_helpers_bits(ggml_type: int) -> None:
+  """og_dot_add_split (a Q4 block's bytes loaded once, one mask) gives the bits of og_dot_add2 (each nibble pair
+  loaded and masked apart) for the same kernel: both fill the same int32 lanes, so the float sums are the same."""
+  rows, columns = 37, 288
+  rng = np.random.default_rng(11 + ggml_type)
+  packed = PackedTensor.from_blocks(ggml_type, Tensor(random_blocks(ggml_type, rows * columns // 32, rng)),
+                                    (rows, columns))
+  output = packed.integer_linear(Tensor(rng.standard_normal((1, columns)).astype(np.float32)))
+  schedule = [item for item in create_schedule([output.lazydata]) if item.outputs]
+  run_schedule(schedule[:-1])
+  item = schedule[-1]
+  kernel = Kernel(item.ast, RENDERER)
+  kernel.hand_coded_optimizations()
+  source = RENDERER.render("k", linearize(kernel))
+  pairwise = re.sub(r"og_dot_add_split\((og_dot_start\(\)), ([^,]+), (\d+), (\d+), (\d+), ([^,]+), (\d+)\)",
+                    r"og_dot_add2(\1, \2, \3, \5, \6, \2, \4, \5, \6 + \7, \7)", source)
+  assert source.count("og_dot_add_split(og_dot_start()") == 1 and "og_dot_add_split(" not in _kernel_body(pairwise)
+  device = Device[Device.DEFAULT]
+  outputs = []
+  for variant in (source, pairwise):
+    for buffer in item.bufs: buffer.allocate()
+    device.program("k", device.compiler.compile_cached(variant)).function(
+      *[buffer.host_pointer() for buffer in item.bufs])
+    outputs.append(item.bufs[0].numpy().tobytes())
+  assert outputs[0] == outputs[1]
 
 
 @pytest.mark.parametrize("ggml_type", [GGML_Q4_1, GGML_Q8_0], ids=["Q4_1", "Q8_0"])
@@ -154,16 +184,19 @@ def test_byte_dot_helpers_prefetch_the_packed_weights(ggml_type: int) -> None:
   source = _sources(packed.integer_linear(x))[-1]
   helpers = re.findall(r"og_dot_sums (og_dot_add\w*)\(og_dot_sums sums, const (?:un)?signed char\* (\w+),[^{]*\{\n"
                        r"(.*)\n", source)
-  assert sorted({name for name, _, _ in helpers}) == ["og_dot_add", "og_dot_add2", "og_dot_add_s8"]
-  # og_dot_add and og_dot_add_s8 in the AVX2, SSSE3 and plain branches; og_dot_add2 in AVX2's, and elsewhere as two
-  # og_dot_add calls (whose first one prefetches the same block)
-  assert len(helpers) == 8
+  assert sorted({name for name, _, _ in helpers}) == ["og_dot_add", "og_dot_add2", "og_dot_add_s8", "og_dot_add_split"]
+  # og_dot_add and og_dot_add_s8 in the AVX2, SSSE3 and plain branches; og_dot_add2 and og_dot_add_split in AVX2's,
+  # and elsewhere as two og_dot_add calls (whose first one prefetches the same block)
+  assert len(helpers) == 10
   assert all(line.strip() in (f"og_prefetch({first});", f"return og_dot_add(og_dot_add(sums, {first}, shift0, mask0, "
-                              "s0, count), u1, shift1, mask1, s1, count);") for _, first, line in helpers)
+                              "s0, count), u1, shift1, mask1, s1, count);", f"return og_dot_add(og_dot_add(sums, "
+                              f"{first}, shift0, mask, s, count), {first}, shift1, mask, s + count, count);")
+             for _, first, line in helpers)
   body = _kernel_body(source)
   weights = re.search(r"const unsigned char\* restrict (data\d+)", body).group(1)
   activation = re.search(r"const signed char\* restrict (data\d+)", body).group(1)
-  call = re.search(r"og_dot_add(?:2|_s8)\(og_dot_start\(\), (?:\(const signed char\*\)\()?(data\d+)[^,]*, (.*)", body)
+  call = re.search(r"og_dot_add(?:2|_s8|_split)\(og_dot_start\(\), (?:\(const signed char\*\)\()?(data\d+)[^,]*, (.*)",
+                   body)
   assert call.group(1) == weights and activation in call.group(2)
 
 
@@ -236,17 +269,21 @@ def test_byte_dot_products_extremes_match_numpy() -> None:
     expected = ((nibbles * activation_np).astype(np.float64) * scales_np).sum((1, 2))
     got = _nibble_product(Tensor(packed_np), Tensor(activation_np), shift, Tensor(scales_np)).numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-6)
-  # both nibbles of each byte in one term (a Q4 block's two pairs: `og_dot_add2`), times two halves of the activation
+  # both nibbles of each byte in one term (a Q4 block's two pairs), times two halves of the activation: one load of
+  # the bytes (`og_dot_add_split`, 48 lanes a half: a 32-byte and a 16-byte step), or, where the high nibble's mask
+  # differs (3 bits), each pair masked apart (`og_dot_add2`)
   halves_np = np.where(rng.random((5, 2, 48)) < 0.5, -128, 127).astype(np.int8)
-  def both_nibbles(packed: Tensor, halves: Tensor) -> Tensor:
-    low, high = (packed & 15).cast(dtypes.int32), (packed >> 4).cast(dtypes.int32)
-    products = low * halves[:, 0].cast(dtypes.int32) + high * halves[:, 1].cast(dtypes.int32)
-    return (products.cast(dtypes.float32) * Tensor(scales_np)).sum((1, 2))
-  assert "og_dot_add2(" in _kernel_body(_sources(both_nibbles(Tensor(packed_np), Tensor(halves_np)))[-1])
-  nibbles = [(packed_np & 15).astype(np.int64), (packed_np >> 4).astype(np.int64)]
-  products = nibbles[0] * halves_np[:, 0] + nibbles[1] * halves_np[:, 1]
-  expected = (products.astype(np.float64) * scales_np).sum((1, 2))
-  np.testing.assert_allclose(both_nibbles(Tensor(packed_np), Tensor(halves_np)).numpy(), expected, rtol=1e-6)
+  for high_mask, helper in ((15, "og_dot_add_split("), (7, "og_dot_add2(")):
+    def both_nibbles(packed: Tensor, halves: Tensor) -> Tensor:
+      low, high = (packed & 15).cast(dtypes.int32), ((packed >> 4) & high_mask).cast(dtypes.int32)
+      products = low * halves[:, 0].cast(dtypes.int32) + high * halves[:, 1].cast(dtypes.int32)
+      return (products.cast(dtypes.float32) * Tensor(scales_np)).sum((1, 2))
+    body = _kernel_body(_sources(both_nibbles(Tensor(packed_np), Tensor(halves_np)))[-1])
+    assert body.count(helper) == 1 and "og_dot_add(" not in body
+    nibbles = [(packed_np & 15).astype(np.int64), ((packed_np >> 4) & high_mask).astype(np.int64)]
+    products = nibbles[0] * halves_np[:, 0] + nibbles[1] * halves_np[:, 1]
+    expected = (products.astype(np.float64) * scales_np).sum((1, 2))
+    np.testing.assert_allclose(both_nibbles(Tensor(packed_np), Tensor(halves_np)).numpy(), expected, rtol=1e-6)
   signed_np = packed_np.view(np.int8)   # -1 and, in row 3, every int8; -128 x -128 included
   signed_np[5, :, :8] = -128
   signed = Tensor(signed_np).cast(dtypes.int32) * Tensor(activation_np).cast(dtypes.int32)

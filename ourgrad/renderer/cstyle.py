@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ourgrad.codegen.uops import SIGNED_BYTES, AxisType, UOp, UOps
-from ourgrad.renderer.cbytedot import CLANG_BYTE_DOT, CLANG_LOAD_U16, little_endian_pair
+from ourgrad.renderer.cbytedot import CLANG_BYTE_DOT, CLANG_LOAD_U16, DotPair, little_endian_pair, split_pair
 from ourgrad.dtype import DType, dtypes
 from ourgrad.helpers import CPU_VECTORS
 from ourgrad.ops import Ops
@@ -642,21 +642,27 @@ class ClangRenderer(CStyleLanguage):
   def render_byte_dot_add(self, uop: UOp, ref: Callable[[UOp], str]) -> str:
     """A BYTE_DOT_ADD as calls of the CLANG_BYTE_DOT helpers: each pair's lanes added into SIMD int32 partial sums,
     then those times the factor added into the float lanes. Unsigned pairs go two at a time (`og_dot_add2`: a Q4
-    block's low and high nibbles, one 256-bit multiply-add where the target has AVX2)."""
+    block's low and high nibbles, one 256-bit multiply-add where the target has AVX2; `og_dot_add_split` where both
+    read the same bytes against adjacent activations: cbytedot.split_pair)."""
     count, selects = uop.arg
     sums = "og_dot_start()"
     pairs = [((shift, mask), *operands) for (shift, mask), operands in zip(selects, zip(*[iter(uop.srcs[2:])] * 4))]
-    waiting: list[str] = []   # an unsigned pair's arguments, until a second one joins it
-    for (shift, mask), u_buffer, u_index, s_buffer, s_index in pairs:
+    waiting: list[DotPair] = []   # an unsigned pair, until a second one joins it
+
+    def operands(pair: DotPair) -> str:
+      (shift, mask), u_buffer, u_index, s_buffer, s_index = pair
+      return f"{ref(u_buffer)} + {ref(u_index)}, {shift}, {mask}, {ref(s_buffer)} + {ref(s_index)}"
+    for pair in pairs:
+      (shift, _), u_buffer, u_index, s_buffer, s_index = pair
       if shift == SIGNED_BYTES:
         sums = (f"og_dot_add_s8({sums}, (const signed char*)({ref(u_buffer)} + {ref(u_index)}), "
                 f"{ref(s_buffer)} + {ref(s_index)}, {count})")
-        continue
-      operands = f"{ref(u_buffer)} + {ref(u_index)}, {shift}, {mask}, {ref(s_buffer)} + {ref(s_index)}"
-      if waiting:
-        sums = f"og_dot_add2({sums}, {waiting.pop()}, {operands}, {count})"
-      else: waiting.append(operands)
-    if waiting: sums = f"og_dot_add({sums}, {waiting.pop()}, {count})"
+      elif not waiting: waiting.append(pair)
+      elif (split := split_pair(first := waiting.pop(), pair, count)) is not None:   # one load of the bytes
+        sums = (f"og_dot_add_split({sums}, {ref(first[1])} + {ref(first[2])}, {split[0]}, {split[1]}, {split[2]}, "
+                f"{ref(first[3])} + {ref(first[4])}, {count})")
+      else: sums = f"og_dot_add2({sums}, {operands(first)}, {operands(pair)}, {count})"
+    if waiting: sums = f"og_dot_add({sums}, {operands(waiting.pop())}, {count})"
     return f"og_lanes_add({ref(uop.srcs[0])}, {sums}, {ref(uop.srcs[1])})"
 
   def render_kernel(self, name: str, params: list[str], body: list[str], uops: list[UOp]) -> str:
