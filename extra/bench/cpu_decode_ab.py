@@ -32,13 +32,21 @@ from extra.models.generate import smollm2_path  # noqa: E402
 from extra.models.llama import Llama  # noqa: E402
 
 
-def variant_functions(replay: Any, edit: Callable[[str], str]) -> tuple[list[Any], int]:
-  """The replay's kernel functions with each kernel's source edited by `edit` and compiled (an unchanged source keeps
-  its function), and how many launches changed."""
+def host_calls(items: list[Any]) -> list[tuple[Any, list[Any]]]:
+  """Each captured kernel's ctypes function and its arguments (buffer addresses, then its Variables' values): the
+  step called from Python one kernel at a time, whichever way TinyJit replays it."""
+  return [(item.runner.program.function, [buffer.host_pointer() for buffer in item.bufs] +
+           [item.var_vals[name] for name in item.runner.var_names]) for item in items]
+
+
+def variant_functions(items: list[Any], calls: list[tuple[Any, list[Any]]],
+                      edit: Callable[[str], str]) -> tuple[list[Any], int]:
+  """The kernel functions with each kernel's source edited by `edit` and compiled (an unchanged source keeps its
+  function), and how many launches changed."""
   device = Device["CLANG"]
   compiled: dict[str, Any] = {}
   functions, changed = [], 0
-  for item, (function, _) in zip(replay.items, replay.host_calls):
+  for item, (function, _) in zip(items, calls):
     source = edit(item.runner.source)
     if source == item.runner.source:
       functions.append(function)
@@ -76,16 +84,17 @@ def main() -> None:
     return module_edit(source) if module_edit is not None else source
   model, _ = Llama.from_gguf(smollm2_path(), 520, "CLANG", symbolic=False, dtype="stored")
   for position in range(args.position - 3, args.position + 1): model.decode([5], [position]).numpy()
-  replay = model._decode_jit.captured.replay_runner
-  functions = {"A": [function for function, _ in replay.host_calls]}
-  functions["B"], changed = variant_functions(replay, edit)
-  print(f"variant B: {changed} of {len(replay.items)} launches changed")
-  logits = replay.items[-1].bufs[0]
+  items = model._decode_jit.captured.items
+  calls = host_calls(items)
+  functions = {"A": [function for function, _ in calls]}
+  functions["B"], changed = variant_functions(items, calls, edit)
+  print(f"variant B: {changed} of {len(items)} launches changed")
+  logits = items[-1].bufs[0]
 
   def run(name: str) -> float:
     clock = time.perf_counter if args.wall else time.thread_time
     started = clock()
-    for function, (_, arguments) in zip(functions[name], replay.host_calls): function(*arguments)
+    for function, (_, arguments) in zip(functions[name], calls): function(*arguments)
     return clock() - started
   outputs = {}
   for name in "AB":
