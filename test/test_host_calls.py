@@ -28,8 +28,8 @@ def _graph(jit: TinyJit) -> host_calls.HostCallGraph:
 
 
 def test_replay_is_one_call_with_new_inputs_and_values():
-  """A capture of several kernels, one of them symbolic: every replay is one call of the dispatcher, and reads this
-  call's input buffers and Variable value."""
+  """A capture of several kernels, two of them symbolic: every replay is one call of the dispatcher, and reads this
+  call's input buffers and Variable value (one int slot that both symbolic kernels read)."""
   rng = np.random.default_rng(0)
   table = rng.standard_normal((12, 5)).astype(np.float32)
   rows = Tensor(table, device="CLANG").realize()
@@ -37,14 +37,18 @@ def test_replay_is_one_call_with_new_inputs_and_values():
   @TinyJit
   def f(a, b, n):
     scaled = (a * 2 + b).realize()
-    return ((rows.shrink(((0, n), None)) * scaled).sum(0) + scaled.max()).realize()
+    window = (rows.shrink(((0, n), None)) * scaled).realize()
+    return (window.sum(0) + scaled.max()).realize()
   n = Variable("n", 1, 12)
   for call, value in enumerate((4, 9, 9, 2, 12, 1)):
     a, b = (rng.standard_normal(5).astype(np.float32) for _ in range(2))
     got = f(Tensor(a, device="CLANG").realize(), Tensor(b, device="CLANG").realize(), n.bind(value)).numpy()
     scaled = a * 2 + b
     np.testing.assert_allclose(got, (table[:value] * scaled).sum(0) + scaled.max(), rtol=1e-5, atol=1e-5)
-  assert len(_graph(f).steps) == 1
+  graph = _graph(f)
+  symbolic = [index for index, item in enumerate(f.captured.items) if item.runner.var_names]
+  assert len(graph.steps) == 1 and len(symbolic) == 2
+  assert len({graph.table[index].first_int for index in symbolic}) == 1
 
 
 def test_kernels_past_the_table_are_called_through_ctypes(monkeypatch):

@@ -649,13 +649,21 @@ class GraphReplay:
     # the kernels that take symbolic Variables, grouped by the names they take (a group's values are read and
     # compared once a call), each as _sizes_of gives it
     self.symbolic = _symbolic_groups(items, lambda item: item.runner.var_names, self._sizes_of)
+    # a graph that can point several kernels at one copy of their int arguments (HostCallGraph) is told each group's
+    # kernels; one update of the copy then serves them all (a CPU decode step: 60 kernels take `used`)
+    share = getattr(graph, "share_int_arguments", None)
+    for group in self.symbolic:
+      patched = set(share([member[0] for member in group.members])) if share is not None else None
+      group.members = [(index, global_size, local_size, patched is None or index in patched)
+                       for index, global_size, local_size, _ in group.members]
 
-  def _sizes_of(self, index: int) -> tuple[int, tuple | None, tuple | None]:
+  def _sizes_of(self, index: int) -> tuple[int, tuple | None, tuple | None, bool]:
     """(index, the kernel's global and local sizes where they depend on a Variable, else None: a kernel whose loops
-    end at a Variable inside a fixed launch, as every host kernel's, keeps its sizes)."""
+    end at a Variable inside a fixed launch, as every host kernel's, keeps its sizes; whether its int arguments are
+    set one by one: until the graph shares them)."""
     runner = self.items[index].runner
     sized = any(isinstance(size, Node) for size in (*runner.global_size, *runner.local_size))
-    return (index, runner.global_size, runner.local_size) if sized else (index, None, None)
+    return (index, runner.global_size, runner.local_size, True) if sized else (index, None, None, True)
 
   def set_buffer(self, item_index: int, slot: int, buffer: Buffer) -> None:
     self.items[item_index].bufs[slot] = buffer
@@ -668,11 +676,12 @@ class GraphReplay:
       values = group.changed(var_vals)
       if values is None: continue
       arguments = list(values.values())
-      for index, global_size, local_size in group.members:
+      for index, global_size, local_size, patched in group.members:
         item = self.items[index]
         item.var_vals = values   # (shared by the group's items: never changed in place, only replaced)
-        for position, value in enumerate(arguments, start=len(item.bufs)): self.graph.set_argument(index, position,
-                                                                                                   value)
+        if patched:
+          for position, value in enumerate(arguments, start=len(item.bufs)): self.graph.set_argument(index, position,
+                                                                                                     value)
         if global_size is None or local_size is None: continue
         self.graph.set_launch_size(index, tuple(sym_infer(size, values) for size in global_size),
                                    tuple(sym_infer(size, values) for size in local_size))

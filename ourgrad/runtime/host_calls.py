@@ -122,6 +122,19 @@ class HostCallGraph:
       self.ints[first_int + position - buffers] = value
       if direct is not None: direct[position] = value
 
+  def share_int_arguments(self, indices: list[int]) -> list[int]:
+    """Point the kernels `indices`, which take the same Variables in the same order (and so always the same values),
+    at the first one's int arguments: a new value is then one write for all of them. Returns the kernels whose int
+    arguments set_argument must still be told: that first one, and any called through ctypes."""
+    rows = [index for index in indices if index not in self.direct]
+    if not rows: return list(indices)
+    owner = self.table[rows[0]].first_int
+    for index in rows[1:]:
+      self.table[index].first_int = owner
+      first_pointer, _, buffers = self.places[index]
+      self.places[index] = (first_pointer, owner, buffers)
+    return [rows[0]] + [index for index in indices if index in self.direct]
+
   def set_launch_size(self, index: int, global_size: tuple[int, ...], local_size: tuple[int, ...]) -> None:
     """Nothing: a host kernel's loops compute their own bounds from its int arguments."""
 
