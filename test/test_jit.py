@@ -573,3 +573,30 @@ def test_cuda_symbolic_capture_is_one_graph():
     np.testing.assert_allclose(window_sum(x, n.bind(value)).numpy(), (data[:value] * x.numpy()).sum(0) + 1,
                                rtol=1e-5, atol=1e-5)
   assert isinstance(window_sum.captured.replay_runner, GraphReplay)
+
+
+def test_bound_variable_arguments_take_the_fast_path(monkeypatch):
+  """A call made like the capture call with a bound Variable among its positional arguments (a decode step's position)
+  replays without the general path's argument walk; another Variable, a plain int there, or a keyword call take the
+  general path; every call reads its own value."""
+  from ourgrad.engine.jit import CapturedJit
+  from ourgrad.shape import Variable
+  monkeypatch.delenv("CHECK_CUDA_RENDER", raising=False)  # symbolic kernels skip the opts it applies (docs/jit.md)
+  general = []
+  original = CapturedJit.replay
+  monkeypatch.setattr(CapturedJit, "replay", lambda self, *args: (general.append(1), original(self, *args))[1])
+  data = np.arange(24, dtype=np.float32).reshape(6, 4)
+  table = Tensor(data).realize()
+
+  @TinyJit
+  def window_sum(x, n): return ((table.shrink(((0, n), None)) * x).sum(0)).realize()
+  n = Variable("n", 1, 6)
+  x = Tensor(np.full(4, 3.0, dtype=np.float32)).realize()
+  for value in (2, 5, 5, 1, 6, 3):
+    np.testing.assert_allclose(window_sum(x, n.bind(value)).numpy(), (data[:value] * 3).sum(0))
+  assert general == []
+  other = Variable("other", 1, 6)
+  with pytest.raises(JitError):
+    window_sum(x, other.bind(2))
+  np.testing.assert_allclose(window_sum(x=x, n=n.bind(4)).numpy(), (data[:4] * 3).sum(0))
+  assert general == [1, 1]

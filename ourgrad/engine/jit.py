@@ -37,7 +37,7 @@ from ourgrad.errors import CompileError, DeviceError, JitError
 from ourgrad.helpers import DEBUG, GlobalCounters, env_var, tf32_allowed
 from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import get_autocast_dtype
-from ourgrad.shape.symbolic import Node, sym_bind, sym_infer, sym_unbind
+from ourgrad.shape.symbolic import Node, Variable, sym_bind, sym_infer, sym_unbind
 from ourgrad.tensor import Tensor
 
 JIT = env_var("JIT", 1, "0: TinyJit functions run eagerly every call (no capture, no replay)")
@@ -105,10 +105,10 @@ class TinyJit(Generic[ReturnType]):
     if captured is not None and not kwargs and not jit_recording.active:
       # the common replay: the same positional layout as the capture, every input a realized buffer of the
       # captured shape, dtype and device (anything else takes the general path below, which explains errors)
-      input_buffers = captured.fast_input_buffers(args)
-      if input_buffers is not None and JIT:
+      fast = captured.fast_inputs(args)
+      if fast is not None and JIT:
         self.call_count += 1
-        return captured.run(input_buffers, {})
+        return captured.run(*fast)
     if not JIT or jit_recording.active:
       # JIT=0, or a jitted function called by one being captured: its kernels belong to the outer capture
       return self.fn(*args, **kwargs)
@@ -142,7 +142,7 @@ class TinyJit(Generic[ReturnType]):
     specs = [InputSpec(path, _unbound_shape(tensor.shape), tensor.dtype, tensor.device)
              for path, tensor in input_tensors.items()]
     self.captured = CapturedJit(items, specs, input_buffers, statics, result, outputs)
-    if not kwargs and not var_vals: self.captured.fast_layout = _fast_layout(args, input_tensors, specs)
+    if not kwargs: self.captured.fast_layout = _fast_layout(args, input_tensors, specs, var_vals)
     self.call_count = 2
     del items, outputs
     self.captured.plan_memory()
@@ -376,16 +376,21 @@ class CapturedJit:
     if plan_memory([item.bufs for item in self.items], lambda buffer: id(buffer) in internal, label="jit"):
       self.replay_runner = build_replay(self.items)  # the pre-bound arguments point at the old memory
 
-  def fast_input_buffers(self, args: tuple) -> list[Buffer] | None:
-    """The input buffers of a call made like the capture call (the same positional layout, each input a realized
-    buffer of the captured shape, dtype and device, the same other values, no input that is one of this capture's
-    outputs, no buffer twice); None for any other call, which then takes the general path."""
+  def fast_inputs(self, args: tuple) -> tuple[list[Buffer], dict[str, int]] | None:
+    """The input buffers and Variable values of a call made like the capture call (the same positional layout, each
+    input a realized buffer of the captured shape, dtype and device, each Variable argument the same Variable bound
+    to some value, the same other values, no input that is one of this capture's outputs, no buffer twice); None for
+    any other call, which then takes the general path."""
     layout = self.fast_layout
     if layout is None or len(args) != len(layout): return None
     buffers: list[Buffer] = []
+    var_vals: dict[str, int] = {}
     for arg, (spec, static) in zip(args, layout):
       if spec is None:
-        if not _same_static(arg, static): return None
+        if type(static) is _VariableArgument:   # a bound Variable (a decode step's position): its value this call
+          if type(arg) is not Variable or arg.val is None or (arg.expr, arg.min, arg.max) != static.key: return None
+          var_vals[arg.expr] = arg.val
+        elif not _same_static(arg, static): return None
         continue
       if type(arg) is not Tensor: return None
       lazy = arg.lazydata
@@ -396,7 +401,7 @@ class CapturedJit:
         return None
       buffers.append(buffer)
     if len(buffers) > 1 and len({id(buffer) for buffer in buffers}) != len(buffers): return None
-    return buffers
+    return buffers, var_vals
 
   def unshare_outputs(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
     """`inputs` with each one backed by an output buffer of this capture (`x = step(x)`) replaced by a copy: the
@@ -516,23 +521,35 @@ def _first_written(items: list[ExecItem]) -> set[int]:
   return first_use_is_write
 
 
-def _fast_layout(args: tuple, inputs: dict[str, Tensor], specs: list[InputSpec]) -> list[tuple[InputSpec | None, Any]] \
-    | None:
+@dataclass(frozen=True)
+class _VariableArgument:
+  """A positional argument of the capture call that was a bound Variable: a fast replay takes the same Variable
+  (name and range) bound to any value."""
+  key: tuple[str, int, int]
+
+
+def _fast_layout(args: tuple, inputs: dict[str, Tensor], specs: list[InputSpec], var_vals: dict[str, int]) \
+    -> list[tuple[InputSpec | None, Any]] | None:
   """For each positional argument of the capture call: (its InputSpec, None) for an input that is a buffer of its own,
-  (None, value) for a plain Python value. None when the call had anything else (containers, Variables, views)."""
+  (None, value) for a plain Python value, (None, _VariableArgument) for a bound Variable. None when the call had
+  anything else (containers, views, expressions of Variables), or Variables bound elsewhere than as arguments."""
   position = {id(tensor): index for index, tensor in enumerate(inputs.values())}
   layout: list[tuple[InputSpec | None, Any]] = []
+  variables: set[str] = set()
   for arg in args:
     if isinstance(arg, Tensor):
       index = position.get(id(arg))
       if index is None or type(arg) is not Tensor or not arg.lazydata.is_base: return None
       layout.append((specs[index], None))
+    elif type(arg) is Variable and arg.val is not None:
+      layout.append((None, _VariableArgument((arg.expr, arg.min, arg.max))))
+      variables.add(arg.expr)
     elif arg is None or type(arg) in (int, float, bool, str):
       layout.append((None, arg))
     else:
       return None
   tensor_order = [position[id(arg)] for arg in args if isinstance(arg, Tensor)]
-  return layout if tensor_order == list(range(len(inputs))) else None
+  return layout if tensor_order == list(range(len(inputs))) and variables == set(var_vals) else None
 
 
 _MISSING = object()
