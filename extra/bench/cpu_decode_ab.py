@@ -31,6 +31,9 @@ from ourgrad import Device  # noqa: E402
 from extra.models.generate import smollm2_path  # noqa: E402
 from extra.models.llama import Llama  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from profile_models import random_weight_llama  # noqa: E402
+
 
 def host_calls(items: list[Any]) -> list[tuple[Any, list[Any]]]:
   """Each captured kernel's ctypes function and its arguments (buffer addresses, then its Variables' values): the
@@ -75,6 +78,8 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=30, help="A/B pairs of whole-step replays")
   parser.add_argument("--wall", action="store_true", help="wall time (perf_counter) instead of this thread's CPU time")
   parser.add_argument("--position", type=int, default=12, help="the decode position the step is captured at")
+  parser.add_argument("--weights", default="stored", choices=("stored", "q8_0"),
+                      help="the installed GGUF's stored weights, or random Q8_0 weights (profile_models.py's)")
   args = parser.parse_args()
 
   module_edit = load_edit(args.edit_module) if args.edit_module else None
@@ -82,7 +87,11 @@ def main() -> None:
   def edit(source: str) -> str:
     for pattern, replacement in args.replace: source = re.sub(pattern, replacement, source)
     return module_edit(source) if module_edit is not None else source
-  model, _ = Llama.from_gguf(smollm2_path(), 520, "CLANG", symbolic=False, dtype="stored")
+  if args.weights == "stored":
+    model, _ = Llama.from_gguf(smollm2_path(), 520, "CLANG", symbolic=False, dtype="stored")
+  else:
+    model = random_weight_llama(argparse.Namespace(device="CLANG", layers=0, weights="q8_0", context=520,
+                                                   sequences=1))
   for position in range(args.position - 3, args.position + 1): model.decode([5], [position]).numpy()
   items = model._decode_jit.captured.items
   calls = host_calls(items)
