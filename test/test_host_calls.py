@@ -107,6 +107,7 @@ def test_llama_decode_logits_are_bit_identical_to_the_ctypes_loop(symbolic: bool
     got = []
     for replay in (graph_replay, loop):   # (the second writes the same cache slot with the same values)
       captured.replay_runner = replay
+      captured.var_vals = {}   # (the runner swapped in is told this call's values: the capture tells one per change)
       got.append(model.decode(tokens[position], position).numpy().copy())
     assert np.array_equal(got[0], got[1])
   captured.replay_runner = graph_replay

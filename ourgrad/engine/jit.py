@@ -418,7 +418,7 @@ class CapturedJit:
   def run(self, input_buffers: list[Buffer], var_vals: dict[str, int]) -> Any:
     """Point the input slots at `input_buffers` (where they changed), launch, and return the result."""
     runner = self.replay_runner
-    if var_vals or self.var_vals:
+    if var_vals != self.var_vals:   # (a GPU decode step's `used` changes once every USED_GRANULE steps)
       self.var_vals = var_vals
       runner.set_var_vals(var_vals)
     previous = self.input_buffers
