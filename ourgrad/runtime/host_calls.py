@@ -74,6 +74,8 @@ class HostCallGraph:
 
   def __init__(self, launches: list[tuple], caller: Callable[..., None], address_of: Callable[[Any], int]):
     self.caller, self.address_of = caller, address_of
+    # the table holds bare function addresses: the programs (and through them their loaded libraries) stay alive
+    self.programs = [launch[0] for launch in launches]
     pointer_total = sum(len(launch[3]) for launch in launches)
     int_total = sum(len(launch[4]) for launch in launches)
     self.pointers = (ctypes.c_void_p * max(pointer_total, 1))()
