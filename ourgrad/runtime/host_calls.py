@@ -34,10 +34,12 @@ def covered(pointers: int, ints: int) -> bool:
   return pointers <= MAX_POINTERS and ints <= MAX_INTS
 
 
-def caller_source() -> str:
-  """The dispatcher's C source: `og_call_kernels(calls, count, pointers, ints)` calls `count` table entries in order."""
+def caller_source(max_pointers: int = MAX_POINTERS) -> str:
+  """The dispatcher's C source: `og_call_kernels(calls, count, pointers, ints)` calls `count` table entries in order.
+  (The bound is fixed when this module loads: a test that narrows `covered` by patching MAX_POINTERS leaves the
+  dispatcher, compiled once a process, as every other caller expects it.)"""
   cases = []
-  for pointers in range(MAX_POINTERS + 1):
+  for pointers in range(max_pointers + 1):
     for ints in range(MAX_INTS + 1):
       parameters = ", ".join(["void *"] * pointers + ["int"] * ints) or "void"
       arguments = ", ".join([f"p[{index}]" for index in range(pointers)] + [f"n[{index}]" for index in range(ints)])
@@ -53,6 +55,7 @@ def caller_source() -> str:
     "    const int *n = ints + call->first_int;",
     "    switch (call->shape) {",
     *cases,
+    "    default: __builtin_trap();   /* a shape the table builder never writes */",
     "    }",
     "  }",
     "}",
