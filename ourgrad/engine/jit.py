@@ -667,20 +667,20 @@ class GraphReplay:
     # compared once a call), each as _sizes_of gives it
     self.symbolic = _symbolic_groups(items, lambda item: item.runner.var_names, self._sizes_of)
     # a graph that can point several kernels at one copy of their int arguments (HostCallGraph) is told each group's
-    # kernels; one update of the copy then serves them all (a CPU decode step: 60 kernels take `used`)
+    # kernels; one update of the copy then serves them all (a CPU decode step: 60 kernels take `used`). Each member
+    # becomes (index, sizes, whether set_argument must be told its int arguments)
     share = getattr(graph, "share_int_arguments", None)
     for group in self.symbolic:
-      patched = set(share([member[0] for member in group.members])) if share is not None else None
-      group.members = [(index, global_size, local_size, patched is None or index in patched)
-                       for index, global_size, local_size, _ in group.members]
+      indices = [member[0] for member in group.members]
+      patched = set(share(indices) if share is not None else indices)
+      group.members = [(*member, member[0] in patched) for member in group.members]
 
-  def _sizes_of(self, index: int) -> tuple[int, tuple | None, tuple | None, bool]:
+  def _sizes_of(self, index: int) -> tuple[int, tuple | None, tuple | None]:
     """(index, the kernel's global and local sizes where they depend on a Variable, else None: a kernel whose loops
-    end at a Variable inside a fixed launch, as every host kernel's, keeps its sizes; whether its int arguments are
-    set one by one: until the graph shares them)."""
+    end at a Variable inside a fixed launch, as every host kernel's, keeps its sizes)."""
     runner = self.items[index].runner
     sized = any(isinstance(size, Node) for size in (*runner.global_size, *runner.local_size))
-    return (index, runner.global_size, runner.local_size, True) if sized else (index, None, None, True)
+    return (index, runner.global_size, runner.local_size) if sized else (index, None, None)
 
   def set_buffer(self, item_index: int, slot: int, buffer: Buffer) -> None:
     self.items[item_index].bufs[slot] = buffer
