@@ -31,6 +31,7 @@ def shape_code(pointers: int, ints: int) -> int:
 
 
 def covered(pointers: int, ints: int) -> bool:
+  """Whether the dispatcher has a `case` for a kernel of `pointers` buffer and `ints` int arguments."""
   return pointers <= MAX_POINTERS and ints <= MAX_INTS
 
 
