@@ -138,3 +138,27 @@ def test_wait_policy_warns_where_libgomp_is_loaded_already(monkeypatch, tmp_path
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     configure_wait_policy(str(loaded))
+
+
+def test_kv_cache_write_opens_no_parallel_region():
+  """A decode step's cache write (520 slots of 6 x 64 floats, one slot marked): the work under the loaded mark's gate
+  counts once, not once per slot, so the kernel runs on the calling thread (a parallel region per block's write cost
+  2.4% of a 2-thread SmolLM2 decode step); the same elementwise work ungated stays parallel. Results are numpy's."""
+  slots, heads, dim = 520, 6, 64
+  rng = np.random.default_rng(5)
+  cache_np = rng.standard_normal((slots, heads, dim)).astype(np.float32)
+  row_np = rng.standard_normal((1, heads, dim)).astype(np.float32)
+  cache = Tensor(cache_np).contiguous().realize()
+  slot_ids, position = Tensor(np.arange(slots, dtype=np.int32)), Tensor(np.array([0, 300], np.int32))
+  mark = (slot_ids == position[1]).reshape(slots, 1, 1)
+  cache.assign(mark.where(Tensor(row_np).expand(slots, heads, dim) * 3, cache))
+  schedule = create_schedule([cache.lazydata])
+  item = [item for item in schedule if item.ast.op is not Ops.COPY][-1]
+  kernel = Kernel(item.ast, Device["CLANG"].renderer)
+  kernel.hand_coded_optimizations()
+  assert "omp parallel" not in Device["CLANG"].renderer.render("k", linearize(kernel))
+  run_schedule(schedule)
+  expected = cache_np.copy()
+  expected[300] = row_np[0] * 3
+  np.testing.assert_array_equal(cache.numpy(), expected)
+  assert "omp parallel" in _source(Tensor.empty(slots, heads, dim) * 3 + Tensor.empty(slots, heads, dim))

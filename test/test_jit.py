@@ -400,6 +400,7 @@ def _recording_graph(built: list, updates: list, launches: list, sizes: list | N
       built.append(len(kernel_launches))
       self.kernels = [(program, len(handles), [*handles, *values])
                       for program, _, _, handles, values, _costs in kernel_launches]
+      self.sizes = [[global_size, local_size] for _, global_size, local_size, *_ in kernel_launches]
 
     def set_argument(self, index, position, value):
       updates.append((index, position))
@@ -407,11 +408,13 @@ def _recording_graph(built: list, updates: list, launches: list, sizes: list | N
 
     def set_launch_size(self, index, global_size, local_size):
       if sizes is not None: sizes.append((index, global_size, local_size))
+      self.sizes[index] = [global_size, local_size]
 
     def launch(self):
       launches.append(1)
-      for program, buffer_count, arguments in self.kernels:
-        program(*arguments[:buffer_count], vals=tuple(arguments[buffer_count:]))
+      for (program, buffer_count, arguments), (global_size, local_size) in zip(self.kernels, self.sizes):
+        program(*arguments[:buffer_count], global_size=global_size, local_size=local_size,
+                vals=tuple(arguments[buffer_count:]))
   return RecordingGraph
 
 
@@ -520,29 +523,36 @@ def test_cuda_graph_patches_cached_params_and_sets_them_once_per_launch(monkeypa
   assert calls == [("set", "node2", params_before), ("launch",)]
 
 
-def test_graph_replay_of_symbolic_kernels_sets_values_and_sizes(monkeypatch):
+@pytest.mark.parametrize("device", ["CLANG", "PYTHON"])
+def test_graph_replay_of_symbolic_kernels_sets_values_and_sizes(device, monkeypatch):
   """A capture with symbolic kernels is one device graph too: each call writes the Variable's value into the int
-  argument of the kernels that take it (and their launch sizes); the same value as last call changes nothing."""
+  argument of the kernels that take it, and the launch sizes of those whose sizes depend on it (the PYTHON device's
+  elementwise kernel launched over n rows; never a host kernel's, whose loops read the value: CLANG); the same
+  value as last call changes nothing."""
   from ourgrad.device import Device
   from ourgrad.engine.jit import GraphReplay
   from ourgrad.shape import Variable
+  skip_unless_device(device)
   monkeypatch.delenv("CHECK_CUDA_RENDER", raising=False)  # symbolic kernels skip the opts it applies (docs/jit.md)
   built, updates, launches, sizes = [], [], [], []
-  monkeypatch.setattr(Device["CLANG"], "graph", _recording_graph(built, updates, launches, sizes), raising=False)
+  monkeypatch.setattr(Device[device], "graph", _recording_graph(built, updates, launches, sizes), raising=False)
   data = np.arange(40, dtype=np.float32).reshape(10, 4)
-  table = Tensor(data, device="CLANG").realize()
+  table = Tensor(data, device=device).realize()
 
   @TinyJit
   def window_sum(x, n):
-    return ((table.shrink(((0, n), None)) * x).sum(0) + 1).realize()
+    window = (table.shrink(((0, n), None)) * x).realize()   # launched over n rows (PYTHON)
+    return (window.sum(0) + 1).realize()                    # one launch of 4 outputs, each a loop over n rows
   n = Variable("n", 1, 10)
-  x = Tensor(np.full(4, 2.0, dtype=np.float32), device="CLANG").realize()
+  x = Tensor(np.full(4, 2.0, dtype=np.float32), device=device).realize()
   for value in (3, 7, 7, 2, 10):
     np.testing.assert_allclose(window_sum(x, n.bind(value)).numpy(), (data[:value] * 2).sum(0) + 1)
-  assert isinstance(window_sum.captured.replay_runner, GraphReplay) and built == [1] and len(launches) == 3
-  changed_values = [position for index, position in updates]
-  # 7 -> 7 patches nothing: replays with 7, 2 and 10 after the capture with 7: two changes of the one int argument
-  assert len(changed_values) == 2 and len(sizes) == 2
+  assert isinstance(window_sum.captured.replay_runner, GraphReplay) and built == [2] and len(launches) == 3
+  # 7 -> 7 patches nothing: replays with 7, 2 and 10 after the capture with 7: two changes of each kernel's int
+  # argument, and of the launch size of the kernel launched over n rows
+  assert sorted(index for index, _ in updates) == [0, 0, 1, 1]
+  assert [(index, global_size) for index, global_size, _ in sizes] == \
+      ([] if device == "CLANG" else [(0, (4, 2, 1)), (0, (4, 10, 1))])
 
 
 @pytest.mark.skipif(not device_opens("CUDA"), reason="needs an NVIDIA GPU")
@@ -563,3 +573,30 @@ def test_cuda_symbolic_capture_is_one_graph():
     np.testing.assert_allclose(window_sum(x, n.bind(value)).numpy(), (data[:value] * x.numpy()).sum(0) + 1,
                                rtol=1e-5, atol=1e-5)
   assert isinstance(window_sum.captured.replay_runner, GraphReplay)
+
+
+def test_bound_variable_arguments_take_the_fast_path(monkeypatch):
+  """A call made like the capture call with a bound Variable among its positional arguments (a decode step's position)
+  replays without the general path's argument walk; another Variable, a plain int there, or a keyword call take the
+  general path; every call reads its own value."""
+  from ourgrad.engine.jit import CapturedJit
+  from ourgrad.shape import Variable
+  monkeypatch.delenv("CHECK_CUDA_RENDER", raising=False)  # symbolic kernels skip the opts it applies (docs/jit.md)
+  general = []
+  original = CapturedJit.replay
+  monkeypatch.setattr(CapturedJit, "replay", lambda self, *args: (general.append(1), original(self, *args))[1])
+  data = np.arange(24, dtype=np.float32).reshape(6, 4)
+  table = Tensor(data).realize()
+
+  @TinyJit
+  def window_sum(x, n): return ((table.shrink(((0, n), None)) * x).sum(0)).realize()
+  n = Variable("n", 1, 6)
+  x = Tensor(np.full(4, 3.0, dtype=np.float32)).realize()
+  for value in (2, 5, 5, 1, 6, 3):
+    np.testing.assert_allclose(window_sum(x, n.bind(value)).numpy(), (data[:value] * 3).sum(0))
+  assert general == []
+  other = Variable("other", 1, 6)
+  with pytest.raises(JitError):
+    window_sum(x, other.bind(2))
+  np.testing.assert_allclose(window_sum(x=x, n=n.bind(4)).numpy(), (data[:4] * 3).sum(0))
+  assert general == [1, 1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import importlib.util
 import os
 import pathlib
@@ -151,21 +152,37 @@ def replay_host_seconds(jit_step: TinyJit, x: Tensor, y: Tensor, device: str, ca
 
 @contextlib.contextmanager
 def host_kernels_disabled(jit_step: TinyJit) -> Iterator[None]:
-  """Every compiled host kernel (eager runners and the JIT's pre-bound calls) does nothing inside this block, so a
-  step's wall time is its Python time (plus the ctypes calls' cost, which is Python's too)."""
+  """Every compiled host kernel (eager runners and the JIT's replayed calls) does nothing inside this block, so a
+  step's wall time is its Python time (plus the ctypes calls' cost, which is Python's too). A CLANG replay's
+  dispatcher (runtime/host_calls.py) calls a C function that does nothing instead of each kernel."""
   def nothing(*pointers: Any) -> None: return None
   runners = [runner for runner in realize._runner_cache.values() if runner.host_function is not None]
   saved = [runner.host_function for runner in runners]
-  calls = [call for call in jit_step.captured.replay_runner.host_calls if call is not None]
-  saved_calls = list(calls)
   replay = jit_step.captured.replay_runner
+  host_calls = getattr(replay, "host_calls", None)
+  graph = getattr(replay, "graph", None)
+  table = getattr(graph, "table", None)
+  saved_calls = list(host_calls) if host_calls is not None else []
+  saved_table = [row.function for row in table] if table is not None else []
+  saved_steps = list(graph.steps) if table is not None else []
   try:
     for runner in runners: runner.host_function = nothing
-    replay.host_calls = [(nothing, call[1]) if call is not None else None for call in replay.host_calls]
+    if host_calls is not None:
+      replay.host_calls = [(nothing, call[1]) if call is not None else None for call in host_calls]
+    if table is not None:
+      # (called with the kernel's arguments, which a C function of none ignores on the host ABIs ourgrad runs on)
+      clang = Device["CLANG"]
+      empty = clang.program("og_nothing", clang.compiler.compile_cached("void og_nothing(void) {}\n")).function
+      for row in table: row.function = ctypes.cast(empty, ctypes.c_void_p).value
+      # kernels with more arguments than the dispatcher covers are called through ctypes between its runs
+      graph.steps = [(function if function is graph.caller else nothing, arguments)
+                     for function, arguments in saved_steps]
     yield
   finally:
     for runner, function in zip(runners, saved): runner.host_function = function
-    replay.host_calls = [saved_calls.pop(0) if call is not None else None for call in replay.host_calls]
+    if host_calls is not None: replay.host_calls = saved_calls
+    for row, function in zip(table if table is not None else [], saved_table): row.function = function
+    if table is not None: graph.steps = saved_steps
 
 
 # ---------------------------------------------------------------- PyTorch

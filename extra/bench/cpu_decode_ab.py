@@ -31,14 +31,25 @@ from ourgrad import Device  # noqa: E402
 from extra.models.generate import smollm2_path  # noqa: E402
 from extra.models.llama import Llama  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from profile_models import random_weight_llama  # noqa: E402
 
-def variant_functions(replay: Any, edit: Callable[[str], str]) -> tuple[list[Any], int]:
-  """The replay's kernel functions with each kernel's source edited by `edit` and compiled (an unchanged source keeps
-  its function), and how many launches changed."""
+
+def host_calls(items: list[Any]) -> list[tuple[Any, list[Any]]]:
+  """Each captured kernel's ctypes function and its arguments (buffer addresses, then its Variables' values): the
+  step called from Python one kernel at a time, whichever way TinyJit replays it."""
+  return [(item.runner.program.function, [buffer.host_pointer() for buffer in item.bufs] +
+           [item.var_vals[name] for name in item.runner.var_names]) for item in items]
+
+
+def variant_functions(items: list[Any], calls: list[tuple[Any, list[Any]]],
+                      edit: Callable[[str], str]) -> tuple[list[Any], int]:
+  """The kernel functions with each kernel's source edited by `edit` and compiled (an unchanged source keeps its
+  function), and how many launches changed."""
   device = Device["CLANG"]
   compiled: dict[str, Any] = {}
   functions, changed = [], 0
-  for item, (function, _) in zip(replay.items, replay.host_calls):
+  for item, (function, _) in zip(items, calls):
     source = edit(item.runner.source)
     if source == item.runner.source:
       functions.append(function)
@@ -67,6 +78,8 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=30, help="A/B pairs of whole-step replays")
   parser.add_argument("--wall", action="store_true", help="wall time (perf_counter) instead of this thread's CPU time")
   parser.add_argument("--position", type=int, default=12, help="the decode position the step is captured at")
+  parser.add_argument("--weights", default="stored", choices=("stored", "q8_0"),
+                      help="the installed GGUF's stored weights, or random Q8_0 weights (profile_models.py's)")
   args = parser.parse_args()
 
   module_edit = load_edit(args.edit_module) if args.edit_module else None
@@ -74,18 +87,23 @@ def main() -> None:
   def edit(source: str) -> str:
     for pattern, replacement in args.replace: source = re.sub(pattern, replacement, source)
     return module_edit(source) if module_edit is not None else source
-  model, _ = Llama.from_gguf(smollm2_path(), 520, "CLANG", symbolic=False, dtype="stored")
+  if args.weights == "stored":
+    model, _ = Llama.from_gguf(smollm2_path(), 520, "CLANG", symbolic=False, dtype="stored")
+  else:
+    model = random_weight_llama(argparse.Namespace(device="CLANG", layers=0, weights="q8_0", context=520,
+                                                   sequences=1))
   for position in range(args.position - 3, args.position + 1): model.decode([5], [position]).numpy()
-  replay = model._decode_jit.captured.replay_runner
-  functions = {"A": [function for function, _ in replay.host_calls]}
-  functions["B"], changed = variant_functions(replay, edit)
-  print(f"variant B: {changed} of {len(replay.items)} launches changed")
-  logits = replay.items[-1].bufs[0]
+  items = model._decode_jit.captured.items
+  calls = host_calls(items)
+  functions = {"A": [function for function, _ in calls]}
+  functions["B"], changed = variant_functions(items, calls, edit)
+  print(f"variant B: {changed} of {len(items)} launches changed")
+  logits = items[-1].bufs[0]
 
   def run(name: str) -> float:
     clock = time.perf_counter if args.wall else time.thread_time
     started = clock()
-    for function, (_, arguments) in zip(functions[name], replay.host_calls): function(*arguments)
+    for function, (_, arguments) in zip(functions[name], calls): function(*arguments)
     return clock() - started
   outputs = {}
   for name in "AB":

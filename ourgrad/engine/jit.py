@@ -5,8 +5,9 @@
 
 Call 1 runs the function normally (kernels compile). Call 2 runs it again and records every ExecItem it launches
 (ourgrad/engine/exec_item.py). Later calls skip the function: the recorded items run on the new input buffers
-(as one CUDA graph on CUDA, a loop over pre-bound ctypes calls on CPU devices) and the return value is rebuilt
-with Tensors backed by the outputs. docs/jit.md lists what is checked and what a replay cannot see.
+(as one CUDA graph on CUDA, one C function calling the kernels in turn on CLANG, a loop over pre-bound ctypes calls
+on LLVM) and the return value is rebuilt with Tensors backed by the outputs. docs/jit.md lists what is checked and
+what a replay cannot see.
 
 The outputs are the capture's own buffers, overwritten by the next replay (as a CUDA graph's static outputs in
 PyTorch): a Tensor returned earlier shows the latest call's values; `.clone()`, `.numpy()` or `.item()` keep a
@@ -32,11 +33,11 @@ from ourgrad.device import Buffer, Device, HostProgram
 from ourgrad.engine.exec_item import CompiledRunner, ExecItem, capture_into, jit_recording
 from ourgrad.engine.memory import held_only_by_items, plan_memory
 from ourgrad.engine.snapshot import redirect_reader, stale_readers
-from ourgrad.errors import DeviceError, JitError
+from ourgrad.errors import CompileError, DeviceError, JitError
 from ourgrad.helpers import DEBUG, GlobalCounters, env_var, tf32_allowed
 from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import get_autocast_dtype
-from ourgrad.shape.symbolic import Node, sym_bind, sym_infer, sym_unbind
+from ourgrad.shape.symbolic import Node, Variable, sym_bind, sym_infer, sym_unbind
 from ourgrad.tensor import Tensor
 
 JIT = env_var("JIT", 1, "0: TinyJit functions run eagerly every call (no capture, no replay)")
@@ -104,10 +105,10 @@ class TinyJit(Generic[ReturnType]):
     if captured is not None and not kwargs and not jit_recording.active:
       # the common replay: the same positional layout as the capture, every input a realized buffer of the
       # captured shape, dtype and device (anything else takes the general path below, which explains errors)
-      input_buffers = captured.fast_input_buffers(args)
-      if input_buffers is not None and JIT:
+      fast = captured.fast_inputs(args)
+      if fast is not None and JIT:
         self.call_count += 1
-        return captured.run(input_buffers, {})
+        return captured.run(*fast)
     if not JIT or jit_recording.active:
       # JIT=0, or a jitted function called by one being captured: its kernels belong to the outer capture
       return self.fn(*args, **kwargs)
@@ -141,7 +142,7 @@ class TinyJit(Generic[ReturnType]):
     specs = [InputSpec(path, _unbound_shape(tensor.shape), tensor.dtype, tensor.device)
              for path, tensor in input_tensors.items()]
     self.captured = CapturedJit(items, specs, input_buffers, statics, result, outputs)
-    if not kwargs and not var_vals: self.captured.fast_layout = _fast_layout(args, input_tensors, specs)
+    if not kwargs: self.captured.fast_layout = _fast_layout(args, input_tensors, specs, var_vals)
     self.call_count = 2
     del items, outputs
     self.captured.plan_memory()
@@ -375,16 +376,21 @@ class CapturedJit:
     if plan_memory([item.bufs for item in self.items], lambda buffer: id(buffer) in internal, label="jit"):
       self.replay_runner = build_replay(self.items)  # the pre-bound arguments point at the old memory
 
-  def fast_input_buffers(self, args: tuple) -> list[Buffer] | None:
-    """The input buffers of a call made like the capture call (the same positional layout, each input a realized
-    buffer of the captured shape, dtype and device, the same other values, no input that is one of this capture's
-    outputs, no buffer twice); None for any other call, which then takes the general path."""
+  def fast_inputs(self, args: tuple) -> tuple[list[Buffer], dict[str, int]] | None:
+    """The input buffers and Variable values of a call made like the capture call (the same positional layout, each
+    input a realized buffer of the captured shape, dtype and device, each Variable argument the same Variable bound
+    to some value, the same other values, no input that is one of this capture's outputs, no buffer twice); None for
+    any other call, which then takes the general path."""
     layout = self.fast_layout
     if layout is None or len(args) != len(layout): return None
     buffers: list[Buffer] = []
+    var_vals: dict[str, int] = {}
     for arg, (spec, static) in zip(args, layout):
       if spec is None:
-        if not _same_static(arg, static): return None
+        if type(static) is _VariableArgument:   # a bound Variable (a decode step's position): its value this call
+          if type(arg) is not Variable or arg.val is None or (arg.expr, arg.min, arg.max) != static.key: return None
+          var_vals[arg.expr] = arg.val
+        elif not _same_static(arg, static): return None
         continue
       if type(arg) is not Tensor: return None
       lazy = arg.lazydata
@@ -395,7 +401,7 @@ class CapturedJit:
         return None
       buffers.append(buffer)
     if len(buffers) > 1 and len({id(buffer) for buffer in buffers}) != len(buffers): return None
-    return buffers
+    return buffers, var_vals
 
   def unshare_outputs(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
     """`inputs` with each one backed by an output buffer of this capture (`x = step(x)`) replaced by a copy: the
@@ -412,7 +418,7 @@ class CapturedJit:
   def run(self, input_buffers: list[Buffer], var_vals: dict[str, int]) -> Any:
     """Point the input slots at `input_buffers` (where they changed), launch, and return the result."""
     runner = self.replay_runner
-    if var_vals or self.var_vals:
+    if var_vals != self.var_vals:   # (a GPU decode step's `used` changes once every USED_GRANULE steps)
       self.var_vals = var_vals
       runner.set_var_vals(var_vals)
     previous = self.input_buffers
@@ -515,23 +521,35 @@ def _first_written(items: list[ExecItem]) -> set[int]:
   return first_use_is_write
 
 
-def _fast_layout(args: tuple, inputs: dict[str, Tensor], specs: list[InputSpec]) -> list[tuple[InputSpec | None, Any]] \
-    | None:
+@dataclass(frozen=True)
+class _VariableArgument:
+  """A positional argument of the capture call that was a bound Variable: a fast replay takes the same Variable
+  (name and range) bound to any value."""
+  key: tuple[str, int, int]
+
+
+def _fast_layout(args: tuple, inputs: dict[str, Tensor], specs: list[InputSpec], var_vals: dict[str, int]) \
+    -> list[tuple[InputSpec | None, Any]] | None:
   """For each positional argument of the capture call: (its InputSpec, None) for an input that is a buffer of its own,
-  (None, value) for a plain Python value. None when the call had anything else (containers, Variables, views)."""
+  (None, value) for a plain Python value, (None, _VariableArgument) for a bound Variable. None when the call had
+  anything else (containers, views, expressions of Variables), or Variables bound elsewhere than as arguments."""
   position = {id(tensor): index for index, tensor in enumerate(inputs.values())}
   layout: list[tuple[InputSpec | None, Any]] = []
+  variables: set[str] = set()
   for arg in args:
     if isinstance(arg, Tensor):
       index = position.get(id(arg))
       if index is None or type(arg) is not Tensor or not arg.lazydata.is_base: return None
       layout.append((specs[index], None))
+    elif type(arg) is Variable and arg.val is not None:
+      layout.append((None, _VariableArgument((arg.expr, arg.min, arg.max))))
+      variables.add(arg.expr)
     elif arg is None or type(arg) in (int, float, bool, str):
       layout.append((None, arg))
     else:
       return None
   tensor_order = [position[id(arg)] for arg in args if isinstance(arg, Tensor)]
-  return layout if tensor_order == list(range(len(inputs))) else None
+  return layout if tensor_order == list(range(len(inputs))) and variables == set(var_vals) else None
 
 
 _MISSING = object()
@@ -553,6 +571,36 @@ def _same_static(value: Any, captured: Any) -> bool:
     return False
 
 
+class VariableGroup:
+  """The replayed kernels that take one list of symbolic Variables (`names`), and the values they were last given."""
+
+  def __init__(self, names: tuple[str, ...], values: dict[str, int]):
+    self.names, self.values = names, values
+    self.members: list[Any] = []
+
+  def changed(self, var_vals: dict[str, int]) -> dict[str, int] | None:
+    """This call's values of the group's Variables where they differ from the last ones given (then remembered)."""
+    values = {name: var_vals[name] for name in self.names}
+    if values == self.values: return None
+    self.values = values
+    return values
+
+
+def _symbolic_groups(items: list[ExecItem], names_of: Callable[[ExecItem], Any],
+                     member: Callable[[int], Any]) -> list[VariableGroup]:
+  """The items that take symbolic Variables grouped by their Variables' names, each item as `member(index)` gives it;
+  each group starts from the values its items were captured (or last replayed) with. A replay keeps its own groups:
+  two replays of one capture (a benchmark's A/B) each know what they last gave their kernels."""
+  groups: dict[tuple[str, ...], VariableGroup] = {}
+  for index, item in enumerate(items):
+    names = tuple(names_of(item))
+    if not names: continue
+    group = groups.get(names)
+    if group is None: group = groups[names] = VariableGroup(names, {name: item.var_vals[name] for name in names})
+    group.members.append(member(index))
+  return list(groups.values())
+
+
 class ItemReplay:
   """Runs captured ExecItems in order; kernels of host devices (CLANG, LLVM) are called through their ctypes
   function with pre-bound pointer arguments, so one replayed kernel costs one foreign call."""
@@ -568,6 +616,10 @@ class ItemReplay:
         self.host_calls.append((program.function, [buffer.host_pointer() for buffer in item.bufs] + values))
       else:
         self.host_calls.append(None)
+    # the items whose kernels take symbolic Variables, grouped by the names they take: set_var_vals visits only these
+    # and reads each group's values once (a decode step of ~725 kernels has 60 that take `used`; walking every item
+    # cost ~0.3 ms of the CPU step's ~12)
+    self.symbolic = _symbolic_groups(items, lambda item: getattr(item.runner, "var_names", ()), lambda index: index)
     # what the pre-bound calls add to GlobalCounters (items run through ExecItem.run count themselves)
     host_items = [item for item, call in zip(items, self.host_calls) if call is not None]
     self.host_kernel_count = len(host_items)
@@ -581,11 +633,14 @@ class ItemReplay:
 
   def set_var_vals(self, var_vals: dict[str, int]) -> None:
     """This call's values of the symbolic Variables, for every kernel that takes them."""
-    for item, call in zip(self.items, self.host_calls):
-      names = getattr(item.runner, "var_names", ())
-      if not names: continue
-      item.var_vals = {name: var_vals[name] for name in names}
-      if call is not None: call[1][len(item.bufs):] = [var_vals[name] for name in names]
+    for group in self.symbolic:
+      values = group.changed(var_vals)
+      if values is None: continue
+      arguments = list(values.values())
+      for index in group.members:
+        item, call = self.items[index], self.host_calls[index]
+        item.var_vals = values   # (shared by the group's items: never changed in place, only replaced)
+        if call is not None: call[1][len(item.bufs):] = arguments
 
   def run(self) -> None:
     for item, call in zip(self.items, self.host_calls):
@@ -608,9 +663,24 @@ class GraphReplay:
     self.kernel_count = len(items)
     self.op_count = sum(item.runner.op_count for item in items)
     self.byte_count = sum(item.runner.byte_count for item in items)
-    # the kernels that take symbolic Variables: (index, their names, symbolic global and local sizes)
-    self.symbolic = [(index, item.runner.var_names, item.runner.global_size, item.runner.local_size)
-                     for index, item in enumerate(items) if item.runner.var_names]
+    # the kernels that take symbolic Variables, grouped by the names they take (a group's values are read and
+    # compared once a call), each as _sizes_of gives it
+    self.symbolic = _symbolic_groups(items, lambda item: item.runner.var_names, self._sizes_of)
+    # a graph that can point several kernels at one copy of their int arguments (HostCallGraph) is told each group's
+    # kernels; one update of the copy then serves them all (a CPU decode step: 60 kernels take `used`). Each member
+    # becomes (index, sizes, whether set_argument must be told its int arguments)
+    share = getattr(graph, "share_int_arguments", None)
+    for group in self.symbolic:
+      indices = [member[0] for member in group.members]
+      patched = set(share(indices) if share is not None else indices)
+      group.members = [(*member, member[0] in patched) for member in group.members]
+
+  def _sizes_of(self, index: int) -> tuple[int, tuple | None, tuple | None]:
+    """(index, the kernel's global and local sizes where they depend on a Variable, else None: a kernel whose loops
+    end at a Variable inside a fixed launch, as every host kernel's, keeps its sizes)."""
+    runner = self.items[index].runner
+    sized = any(isinstance(size, Node) for size in (*runner.global_size, *runner.local_size))
+    return (index, runner.global_size, runner.local_size) if sized else (index, None, None)
 
   def set_buffer(self, item_index: int, slot: int, buffer: Buffer) -> None:
     self.items[item_index].bufs[slot] = buffer
@@ -619,15 +689,19 @@ class GraphReplay:
   def set_var_vals(self, var_vals: dict[str, int]) -> None:
     """This call's values of the symbolic Variables: the int arguments after the buffers, and the launch sizes
     computed from them, of every kernel that takes them."""
-    for index, names, global_size, local_size in self.symbolic:
-      item = self.items[index]
-      values = {name: var_vals[name] for name in names}
-      if values == item.var_vals: continue
-      item.var_vals = values
-      for position, name in enumerate(names, start=len(item.bufs)): self.graph.set_argument(index, position,
-                                                                                            values[name])
-      self.graph.set_launch_size(index, tuple(sym_infer(size, values) for size in global_size),
-                                 tuple(sym_infer(size, values) for size in local_size))
+    for group in self.symbolic:
+      values = group.changed(var_vals)
+      if values is None: continue
+      arguments = list(values.values())
+      for index, global_size, local_size, patched in group.members:
+        item = self.items[index]
+        item.var_vals = values   # (shared by the group's items: never changed in place, only replaced)
+        if patched:
+          for position, value in enumerate(arguments, start=len(item.bufs)): self.graph.set_argument(index, position,
+                                                                                                     value)
+        if global_size is None or local_size is None: continue
+        self.graph.set_launch_size(index, tuple(sym_infer(size, values) for size in global_size),
+                                   tuple(sym_infer(size, values) for size in local_size))
 
   def run(self) -> None:
     self.graph.launch()
@@ -637,21 +711,25 @@ class GraphReplay:
 
 
 def build_replay(items: list[ExecItem]) -> ItemReplay | GraphReplay:
-  """A device graph when every item is a kernel of one device that has a graph class, else an item loop.
+  """A graph when every item is a kernel of one device that has a graph class (a device graph, or a graph for replays
+only: CLANG's HostCallGraph), else an item loop.
 
   A graph launch is (program, global size, local size, buffer handles, int arguments, (ops, bytes)): kernels with
   symbolic sizes get their Variables' values at capture, and GraphReplay.set_var_vals changes them (and the sizes)
   per call."""
   devices = {item.device for item in items}
   if len(devices) == 1 and all(isinstance(item.runner, CompiledRunner) for item in items) and DEBUG < 2:
-    graph_class = getattr(Device[next(iter(devices))], "graph", None)
+    device = Device[next(iter(devices))]
+    # a device graph (CUDA), else a graph only replays use (CLANG: one C function calling the kernels in turn,
+    # runtime/host_calls.py; eager schedule capture, engine/capture.py, keeps its own host loop there)
+    graph_class = getattr(device, "graph", None) or getattr(device, "replay_graph", None)
     if graph_class is not None:
       for item in items:
         for buffer in item.bufs: buffer.allocate()
       launches = [_graph_launch(item) for item in items]
       try:
         return GraphReplay(items, graph_class(launches))
-      except DeviceError as error:  # a driver that refuses the graph: replay item by item, still correct
+      except (DeviceError, CompileError) as error:  # a refused graph: replay item by item, still correct
         warnings.warn(f"device graph failed ({error}); the JIT replays its kernels one by one", RuntimeWarning,
                       stacklevel=2)
   return ItemReplay(items)

@@ -27,6 +27,7 @@ from ourgrad.errors import CompileError, DeviceError
 from ourgrad.helpers import CC, CLANG_MARCH, COMPILE_TIMEOUT, cache_dir
 from ourgrad.renderer.cstyle import INDEX_MATH_ONLY, ClangRenderer
 from ourgrad.runtime import toolchain_check
+from ourgrad.runtime.host_calls import CALLER_NAME, HostCallGraph, caller_source
 from ourgrad.runtime.host_link import RUNTIME_LINK_FLAGS, RUNTIME_SOURCE, KernelLinker, ensure_c_runtime, load_library
 from ourgrad.runtime.openmp import configure_wait_policy
 
@@ -222,6 +223,8 @@ class ClangCompiler(Compiler):
     self.safe = False              # True after the self-test found a wrong answer that SAFE_FLAGS corrected
     self._verified = False
     self._verify_lock = threading.Lock()
+    self._caller: Callable[..., None] | None = None   # TinyJit's replay dispatcher (kernel_caller), built on first use
+    self._caller_lock = threading.Lock()
 
   @property
   def vector_bytes(self) -> int: return self.identity.vector_bytes
@@ -340,6 +343,16 @@ class ClangCompiler(Compiler):
       raise CompileError(f"{os.path.basename(command[0])} failed on this kernel:\n{source}\n--- compiler log ---\n"
                          f"{stderr}")
 
+  def kernel_caller(self) -> Callable[..., None]:
+    """The dispatcher that calls a table of kernels in turn (runtime/host_calls.py): compiled once per toolchain (from
+    the disk cache after that), loaded once per process."""
+    if self._caller is None:
+      with self._caller_lock:
+        if self._caller is None:
+          program = ClangProgram(CALLER_NAME, self.compile_cached(caller_source()), self.load_runtime)
+          self._caller = program.function
+    return self._caller
+
   # ---------------------------------------------------------------- the C runtime library (host_link.py)
 
   def load_runtime(self) -> None:
@@ -413,5 +426,10 @@ def create_device(name: str) -> Compiled:
   renderer.vector_bytes = compiler.vector_bytes
   renderer.vector_registers = compiler.vector_registers   # the matmul tile's rows (codegen/opt/cpu_tiles.py)
   renderer.l2_cache_bytes = host_l2_cache_bytes()   # the matmul tiles' cache blocks (codegen/opt/heuristic.py)
-  return Compiled(name, HostAllocator(), renderer, compiler,
-                  lambda kernel, library: ClangProgram(kernel, library, compiler.load_runtime))
+  allocator = HostAllocator()
+  device = Compiled(name, allocator, renderer, compiler,
+                    lambda kernel, library: ClangProgram(kernel, library, compiler.load_runtime))
+  # TinyJit's replays call the captured kernels from one C function (runtime/host_calls.py), not one ctypes call each
+  device.replay_graph = lambda launches: HostCallGraph(launches, compiler.kernel_caller(),
+                                                       lambda handle: allocator.pointer(handle).value)
+  return device
