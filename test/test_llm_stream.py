@@ -23,6 +23,8 @@ from extra.models import llama  # noqa: E402
 from extra.models.generate import ChatModel, Sampler  # noqa: E402
 from test_models import TINY, _no_cuda_render_check, _tiny_weights, torch_llama_logits  # noqa: E402,F401
 
+# (block 0 reads the embedding and the last one feeds the logits: their schedules differ from the middle blocks', so
+# only from 4 blocks on does a block replay another's)
 FOUR_LAYERS = dataclasses.replace(TINY, n_layers=4)
 pytestmark = pytest.mark.usefixtures("_no_cuda_render_check")   # (test_models.py's)
 

@@ -12,6 +12,9 @@ script times both in one process, round after round:
   `max(--prefill, 8 + decode tokens) + 8` slots).
 - steps: the same stream_greedy steps as llm.py's reply (llm.py's model, prompt and positions) without its
   ChatModel, tokenizer or printing: what llm.py's loop adds on top of the steps is llm.py minus this.
+- bench run, llm.py's cache: the bench's run (its prompt, its steps) on llm.py's model: the bench minus this is what
+  the bench's larger cache costs or saves; this minus "steps" is what llm.py's later positions cost (attention reads
+  the slots in use).
 
 The first llm.py reply is the process's first: its overall pace after the first token includes the decode step's
 capture (what a user's first reply pays). Then one warm-up of each, then `--rounds` rounds; each round's ratio of
@@ -103,20 +106,26 @@ def main() -> None:
   def steps() -> float:
     return args.max_tokens / streamed_decode(model, prompt_ids, args.max_tokens)[1]
 
+  def bench_here() -> float:
+    return args.decode_tokens / streamed_decode(model, bench_prompt, args.decode_tokens)[1]
+
   steady, overall, tokens = reply(True)
   print(f"first reply (captures the decode step): {tokens} tokens, {overall:.2f} tokens/s after the first, steady "
         f"{steady:.2f}", flush=True)
   bench()
   steps()   # (warm-ups: the bench's capture, llm.py's prefill at position 0 without the jit)
-  ratios, figures = [], {"llm.py steady": [], "llm.py overall": [], "bench": [], "steps": []}
+  bench_here()
+  ratios, figures = [], {"llm.py steady": [], "llm.py overall": [], "bench": [], "steps": [], "bench run here": []}
   for number in range(args.rounds):
     steady, overall, tokens = reply(False)
     streamed = bench()
     alone = steps()
-    for name, value in zip(figures, (steady, overall, streamed, alone)): figures[name].append(value)
+    here = bench_here()
+    for name, value in zip(figures, (steady, overall, streamed, alone, here)): figures[name].append(value)
     ratios.append(steady / streamed)
     print(f"round {number + 1}: llm.py steady {steady:.2f} (overall {overall:.2f}, {tokens} tokens), bench streamed "
-          f"{streamed:.2f}, steps alone {alone:.2f} tokens/s: llm.py / bench {steady / streamed:.3f}", flush=True)
+          f"{streamed:.2f}, steps alone {alone:.2f}, bench run on llm.py's cache {here:.2f} tokens/s: llm.py / bench "
+          f"{steady / streamed:.3f}", flush=True)
   medians = ", ".join(f"{name} {statistics.median(values):.2f}" for name, values in figures.items())
   print(f"medians: {medians}; llm.py steady / bench streamed, paired: median {statistics.median(ratios):.3f} "
         f"(min {min(ratios):.3f}, max {max(ratios):.3f})", flush=True)
