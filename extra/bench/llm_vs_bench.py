@@ -17,8 +17,9 @@ script times both in one process, round after round:
   the slots in use).
 
 The first llm.py reply is the process's first: its overall pace after the first token includes the decode step's
-capture (what a user's first reply pays). Then one warm-up of each, then `--rounds` rounds; each round's ratio of
-llm.py's steady pace to the bench's is paired (same minutes, same process), and their median is reported.
+capture (what a user's first reply pays). Then one warm-up of each, then `--rounds` rounds (every other one in the
+reverse order); each round's ratio of llm.py's steady pace to the bench's is paired (same minutes, same process),
+and their median is reported beside the ratio of the two medians.
 
     python extra/bench/llm_vs_bench.py --rounds 5
     python extra/bench/llm_vs_bench.py --device CUDA --dtype bfloat16 --rounds 3
@@ -117,18 +118,21 @@ def main() -> None:
   bench_here()
   ratios, figures = [], {"llm.py steady": [], "llm.py overall": [], "bench": [], "steps": [], "bench run here": []}
   for number in range(args.rounds):
-    steady, overall, tokens = reply(False)
-    streamed = bench()
-    alone = steps()
-    here = bench_here()
+    if number % 2 == 0:
+      steady, overall, tokens = reply(False)
+      streamed, alone, here = bench(), steps(), bench_here()
+    else:   # the other order every other round: a load that drifts within a round favours neither
+      here, alone, streamed = bench_here(), steps(), bench()
+      steady, overall, tokens = reply(False)
     for name, value in zip(figures, (steady, overall, streamed, alone, here)): figures[name].append(value)
     ratios.append(steady / streamed)
     print(f"round {number + 1}: llm.py steady {steady:.2f} (overall {overall:.2f}, {tokens} tokens), bench streamed "
           f"{streamed:.2f}, steps alone {alone:.2f}, bench run on llm.py's cache {here:.2f} tokens/s: llm.py / bench "
           f"{steady / streamed:.3f}", flush=True)
   medians = ", ".join(f"{name} {statistics.median(values):.2f}" for name, values in figures.items())
-  print(f"medians: {medians}; llm.py steady / bench streamed, paired: median {statistics.median(ratios):.3f} "
-        f"(min {min(ratios):.3f}, max {max(ratios):.3f})", flush=True)
+  print(f"medians: {medians}; llm.py steady / bench streamed: paired, median {statistics.median(ratios):.3f} (min "
+        f"{min(ratios):.3f}, max {max(ratios):.3f}); of the medians "
+        f"{statistics.median(figures['llm.py steady']) / statistics.median(figures['bench']):.3f}", flush=True)
   print(f"end: {load_line()}; {time.perf_counter() - STARTED:.0f} s", flush=True)
 
 
