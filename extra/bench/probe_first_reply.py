@@ -40,11 +40,11 @@ def load(args: argparse.Namespace, context: int):
   from extra.models.llama import Llama
   if args.random_weights:
     from extra.bench.bench_models import smollm2_weights
-    loaded = smollm2_weights(True)
+    loaded = smollm2_weights(True, args.layers)
     assert loaded is not None
     config, weights = loaded
     model = Llama(config, {name: Tensor(value, device=args.device) for name, value in weights.items()}, context,
-                  symbolic=False)
+                  symbolic=False, sequences=args.sequences)
     return model, [int(t) for t in np.random.default_rng(0).integers(100, config.vocab_size, args.prompt_tokens)]
   from extra.models.generate import chatml, smollm2_path, tokenizer_from_gguf
   path = smollm2_path()
@@ -62,6 +62,9 @@ def main() -> None:
   parser.add_argument("--prompt-tokens", type=int, default=38, help="the random prompt's length (--random-weights)")
   parser.add_argument("--tokens", type=int, default=64, help="the reply's tokens (the prefill's and the steps')")
   parser.add_argument("--context", type=int, default=128)
+  parser.add_argument("--layers", type=int, default=0, help="fewer blocks (--random-weights; 0: SmolLM2's 30)")
+  parser.add_argument("--sequences", type=int, default=1, help="conversations decoded together (--random-weights), "
+                      "each prefilled with the same prompt into its cache row")
   args = parser.parse_args()
   import ourgrad
   print(f"ourgrad from {os.path.dirname(ourgrad.__file__)}; load average {os.getloadavg()[0]:.2f}", flush=True)
@@ -71,10 +74,12 @@ def main() -> None:
   device = Device[model.device]
   print(f"load: {clock.lap()}", flush=True)
   first = int(model(np.array([prompt], np.int32), 0, jit=True).numpy().argmax())
+  for row in range(1, model.sequences): model(np.array([prompt], np.int32), 0, jit=True, sequence=row).numpy()
   print(f"prefill of {len(prompt)} tokens, first call: {clock.lap()}", flush=True)
   ids, gaps, overall = [first], [], time.perf_counter()
   last = overall
-  for step in model.stream_greedy(first, len(prompt), args.tokens - 1):
+  rows = model.sequences
+  for step in model.stream_greedy([first] * rows, [len(prompt)] * rows, args.tokens - 1):
     ids.append(step[0])
     now = time.perf_counter()
     if len(ids) == 2: print(f"first streamed id (the step run, then captured): {clock.lap()}", flush=True)
