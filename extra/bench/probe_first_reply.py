@@ -62,6 +62,7 @@ def main() -> None:
   parser.add_argument("--prompt-tokens", type=int, default=38, help="the random prompt's length (--random-weights)")
   parser.add_argument("--tokens", type=int, default=64, help="the reply's tokens (the prefill's and the steps')")
   parser.add_argument("--context", type=int, default=128)
+  parser.add_argument("--eager-steps", type=int, default=0, help="then this many eager steps (llm.py --no-jit)")
   parser.add_argument("--layers", type=int, default=0, help="fewer blocks (--random-weights; 0: SmolLM2's 30)")
   parser.add_argument("--sequences", type=int, default=1, help="conversations decoded together (--random-weights), "
                       "each prefilled with the same prompt into its cache row")
@@ -89,6 +90,13 @@ def main() -> None:
   rest = time.perf_counter() - overall
   print(f"replayed steps: {clock.lap()}; steady {1 / statistics.median(gaps):.1f} tokens/s; the {args.tokens - 1} "
         f"after the first {(args.tokens - 1) / rest:.1f} tokens/s", flush=True)
+  if args.eager_steps:   # `--no-jit` steps: each one built and scheduled (from the schedule cache where it hits)
+    seconds, token = [], ids[-1]
+    for position in range(len(prompt) + args.tokens, len(prompt) + args.tokens + args.eager_steps):
+      clock.lap()
+      token = model.decode_greedy([token] * rows, [position] * rows, jit=False)[0]
+      seconds.append(clock.lap())
+    print(f"eager steps: {'; '.join(seconds)}", flush=True)
   captured = model._resident_jit.captured
   print(f"ids: {ids[:16]}; the captured step: {len(captured.items) if captured is not None else 0} kernels", flush=True)
 
