@@ -66,6 +66,26 @@ def test_decode_realized_per_block_keeps_kernels_and_logits(monkeypatch) -> None
   np.testing.assert_allclose(runs[1][0], torch_llama_logits(weights, FOUR_LAYERS, tokens)[2:], rtol=1e-4, atol=1e-4)
 
 
+def test_jitted_prefill_realized_every_two_blocks_keeps_kernels_and_logits(monkeypatch) -> None:
+  """A jitted prefill's first call and capture realize the residual every PREFILL_REALIZE_EVERY blocks (as the eager
+  prefill does): the capture holds as many kernels as with one realize, and every call's logits are the same bit for
+  bit, and the full forward's (PyTorch)."""
+  weights = _tiny_weights(FOUR_LAYERS, seed=31)
+  prompts = [[4, 9, 31], [2, 17, 40, 1], [7, 3]]
+  runs = {}
+  for every in (0, 2):
+    monkeypatch.setattr(llama, "PREFILL_REALIZE_EVERY", every)
+    model = _model(weights, max_context=23)
+    logits = [model(Tensor([prompt], dtype=dtypes.int32), 0, jit=True).numpy()[0] for prompt in prompts]
+    jit = model.prefill_jit_for(0, 3)
+    assert jit.captured is not None
+    runs[every] = (np.stack(logits), len(jit.captured.items))
+  assert runs[0][1] == runs[2][1]
+  np.testing.assert_array_equal(runs[0][0], runs[2][0])
+  expected = np.stack([torch_llama_logits(weights, FOUR_LAYERS, prompt)[-1] for prompt in prompts])
+  np.testing.assert_allclose(runs[2][0], expected, rtol=1e-4, atol=1e-4)
+
+
 def test_decode_first_call_schedules_one_block_and_capture_reuses_it(monkeypatch) -> None:
   """A decode step's first call (eager) builds the schedule of fewer kernels than the step runs (the blocks after the
   first replay its cached schedule), and its capture, one position on, builds none: the first call bound `used` to
