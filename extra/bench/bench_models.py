@@ -325,6 +325,17 @@ ON_DEVICE, STREAMED, FED_BACK = ", argmax on the device", ", streamed one step a
 GREEDY_WAYS = (ON_DEVICE, STREAMED, FED_BACK)
 
 
+def streamed_decode(model: Llama, prompt: list[int], steps: int) -> tuple[list[int], float]:
+  """The streamed row's run (what examples/llm.py's greedy replies run, `extra/bench/llm_vs_bench.py` times it beside
+  them): (greedy tokens, seconds of the decode steps alone) after an eager prefill of `prompt` at position 0, the
+  steps streamed to the host one step ahead (`stream_greedy`): each step's id on the host as it finishes, in order."""
+  logits = model(Tensor([prompt], dtype=dtypes.int32, device=model.device), 0).numpy()[0]
+  first = int(logits.argmax())
+  started = time.perf_counter()
+  streamed = [ids[0] for ids in model.stream_greedy(first, len(prompt), steps)]
+  return [first] + streamed[:steps - 1], time.perf_counter() - started
+
+
 def batch_decode_row(args: argparse.Namespace, config: LlamaConfig, weights: dict, kind: str, max_context: int,
                      prompt: list[int], batch1_tokens: list[int], rows: list[Row]) -> None:
   """The `--batch` row: `args.batch` sequences decoded together (fixed shapes), each prefilled into its cache row
@@ -423,13 +434,7 @@ def bench_smollm2(args: argparse.Namespace, torch_device: str, rows: list[Row]) 
     return [first] + generated[:steps - 1], time.perf_counter() - started
 
   def stream_resident(model: Llama, steps: int) -> tuple[list[int], float]:
-    """(greedy tokens, seconds of the decode steps alone) streamed to the host one step ahead (`stream_greedy`, what
-    examples/llm.py runs): each step's id on the host as it finishes, in order."""
-    logits = model(Tensor([prompt], dtype=dtypes.int32, device=args.device), 0).numpy()[0]
-    first = int(logits.argmax())
-    started = time.perf_counter()
-    streamed = [ids[0] for ids in model.stream_greedy(first, len(prompt), steps)]
-    return [first] + streamed[:steps - 1], time.perf_counter() - started
+    return streamed_decode(model, prompt, steps)
 
   def decode_torch(steps: int) -> tuple[list[int], list[np.ndarray], float]:
     with reference.torch.no_grad():

@@ -124,7 +124,18 @@ class ChatModel:
       self.position += len(prompt_ids)
       token = sampler(logits.numpy())
     streamed = self._streamed_greedy(token, max_tokens - 1) if self._streams(sampler) else None
+
+    def advance(fed: int) -> int:
+      """The token after `fed`, which is fed at the conversation's position (advanced)."""
+      next_token = next(streamed) if streamed is not None else self._step(fed, sampler)
+      assert next_token is not None
+      return next_token
     try:
+      # the reply's first decode step runs before its first token is shown: a process's first reply runs the step
+      # eagerly and captures it there (~0.7 s of CPU for SmolLM2 on the 2-core CPU), not between the first token and
+      # the second, so the reply streams at the replayed steps' pace once it shows; later replies show their first
+      # token a step or two later (the streamed steps run one ahead), at the same pace
+      upcoming = advance(token) if max_tokens > 1 and token not in self.stop_ids else None
       for produced in range(max_tokens):
         if token in self.stop_ids: return
         self.generated += 1
@@ -132,9 +143,7 @@ class ChatModel:
         if produced == max_tokens - 1:
           self.pending = [token]  # no forward pass for a token whose successor nobody asked for
           return
-        next_token = next(streamed) if streamed is not None else self._step(token, sampler)
-        assert next_token is not None
-        token = next_token
+        token, upcoming = (upcoming if upcoming is not None else advance(token)), None
     finally:
       if streamed is not None: streamed.close()   # its step queued ahead is read back (pinned slots returned)
 

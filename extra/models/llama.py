@@ -59,6 +59,11 @@ PREFILL_BUCKET = 64  # a jitted prefill pads the prompt to a multiple of this ma
 # an eager prefill realizes its residual stream after every this many blocks: the device runs them while Python builds
 # the next ones (bench_eager.py's prefill row; Llama._prefill_graph)
 PREFILL_REALIZE_EVERY = int(os.environ.get("PREFILL_REALIZE_EVERY", "2"))
+# a decode step's graph realizes its residual stream after every this many blocks (0: never), as it is built: the
+# blocks after the first then replay its cached schedule, so the step's eager first call and its capture each schedule
+# one block, not all (SmolLM2 on the 2-core CPU: 2.2 -> 0.8 s of CPU before the first replay). The residual is stored
+# between blocks anyway (the down projection's kernel adds it in its epilogue): the kernels are the same
+DECODE_REALIZE_EVERY = int(os.environ.get("DECODE_REALIZE_EVERY", "1"))
 
 
 @dataclass(frozen=True)
@@ -585,7 +590,10 @@ class Llama:
       logits = self._prefill_graph(tokens_t, **inputs, attended=attended, realize_every=PREFILL_REALIZE_EVERY)
       Tensor.realize_all(logits, *(block.cache for block in self.blocks))
       return logits
-    return self._prefill_jits((padded, attended), tokens_t, *inputs.values(), attended)  # positional: the fast path
+    # the first call (eager) and the capture realize the residual every PREFILL_REALIZE_EVERY blocks as an eager call
+    # does: the blocks after the first replay its cached schedule (a first prompt: ~1 s less CPU on the 2-core CPU)
+    return self._prefill_jits((padded, attended), tokens_t, *inputs.values(), attended,  # positional: the fast path
+                              PREFILL_REALIZE_EVERY)
 
   def prefill_jit_for(self, start: int, length: int) -> TinyJit:
     """The TinyJit that `model(tokens, start, jit=True)` runs for a prompt of `length` tokens at `start` (profiling)."""
@@ -642,7 +650,12 @@ class Llama:
     # -inf past each row's position: one compare and a where, cheap enough to recompute in the kernels that read it
     # (`slots <= at` was a compare and a negation, and the scheduler stored the mask by a kernel of its own)
     mask = (at < slots).where(-math.inf, 0.0) if position is None else None
-    for block in self.blocks: x = block.decode(x, cos, sin, write, visible, mask, used)
+    for index, block in enumerate(self.blocks):
+      x = block.decode(x, cos, sin, write, visible, mask, used)
+      # blocks of one shape then replay the first one's cached schedule (engine/schedule_cache.py): a step's first
+      # call and its capture schedule one block, not all of them (DECODE_REALIZE_EVERY)
+      if DECODE_REALIZE_EVERY > 0 and (index + 1) % DECODE_REALIZE_EVERY == 0 and index + 1 < len(self.blocks):
+        x.realize()
     # stored by the last down projection's kernel (its residual add in the epilogue, as in every block): read by the
     # final norm's row kernel, which would otherwise refuse the product's reduce and leave the add a kernel of its own
     x = x.contiguous()[:, -1, :]
@@ -712,10 +725,14 @@ class Llama:
   def _resident_used(self, positions: list[int], step: int) -> Variable | None:
     """The slots in use at a fed-back run's `step` (`bounded_reads`): the positions advance by one a step, so the host
     knows them without reading the device."""
-    return self._bind_used(max(positions) + step + 1) if self.bounded_reads else None
+    return self._bind_used(max(positions) + step + 1, self._resident_jit) if self.bounded_reads else None
 
-  def _bind_used(self, slots: int) -> Variable:
-    """`used` bound to at least `slots` slots (rounded up to `used_granule`, at most the cache)."""
+  def _bind_used(self, slots: int, jit: TinyJit | None = None) -> Variable:
+    """`used` bound to at least `slots` slots (rounded up to `used_granule`, at most the cache). On the first call of
+    `jit` (the step that runs it: eager, its next call captures) one slot more, the bound of its next call one position
+    on: the capture then finds the first call's schedule in the schedule cache, whose key holds the bound value (with
+    another value the capture schedules the whole step again: ~0.6 s of CPU for SmolLM2 on the 2-core CPU)."""
+    if jit is not None and jit.call_count == 0: slots += 1
     return self.used.bind(min(-(-slots // self.used_granule) * self.used_granule, self.max_context))
 
   def _start_resident(self, caller: str, token: int | Sequence[int], position: int | Sequence[int],
@@ -744,7 +761,7 @@ class Llama:
     """The greedy next token of each sequence after feeding `token` at `position` (as `decode`, whose logits'
     argmax it is, taken on the device): for a caller that only needs ids (greedy generation, a benchmark)."""
     step = self._greedy_jit if jit else self._greedy_graph
-    ids = step(*self._step_inputs(token, position))
+    ids = step(*self._step_inputs(token, position, self._greedy_jit if jit else None))
     if not jit: Tensor.realize_all(ids, *(block.cache for block in self.blocks))
     return ids.numpy().tolist()
 
@@ -757,14 +774,16 @@ class Llama:
     reads only `cache[:, :position + 1]` (kernels compiled once for every position; several sequences must then be
     at one position). Without it attention reads the whole cache under a host-made mask per sequence: only
     fixed-shape kernels, which a CUDA graph replays as one launch."""
-    step = self._decode_jit if jit else self._decode_graph
-    logits = step(*self._step_inputs(token, position))
+    step = self._decode_jit if jit else self._step_graph
+    logits = step(*self._step_inputs(token, position, self._decode_jit if jit else None))
     if not jit: Tensor.realize_all(logits, *(block.cache for block in self.blocks))
     return logits
 
-  def _step_inputs(self, token: int | Sequence[int], position: int | Sequence[int]) -> tuple:
+  def _step_inputs(self, token: int | Sequence[int], position: int | Sequence[int],
+                   jit: TinyJit | None = None) -> tuple:
     """The arguments of a decode step's graph (`_step_graph`) for one `token` at `position` per sequence (checked):
-    the (S, 2) int32 tokens and positions on the device, and the bound position (symbolic) or None."""
+    the (S, 2) int32 tokens and positions on the device, and the bound position (symbolic), the bound slots in use
+    (`bounded_reads`, `_bind_used`: `jit` runs the step) or None."""
     tokens = [token] if isinstance(token, int) else [int(t) for t in token]
     positions = [position] if isinstance(position, int) else [int(p) for p in position]
     if len(tokens) != self.sequences or len(positions) != self.sequences:
@@ -777,7 +796,7 @@ class Llama:
                        "construct the model with symbolic=False for sequences at different positions")
     self._step_host[:, 0], self._step_host[:, 1] = tokens, positions
     bound = self.position.bind(positions[0]) if self.symbolic else \
-      self._bind_used(max(positions) + 1) if self.bounded_reads else None
+      self._bind_used(max(positions) + 1, jit) if self.bounded_reads else None
     return self._upload_step(), bound
 
   def _upload_step(self) -> Tensor:
