@@ -113,17 +113,21 @@ def describe(trace: Trace) -> bool:
   leaves: list[Any] = []
   leaf_index: dict[int, int] = {}
   count = len(bases)   # (grows as bases made before the trace are appended: the loop reaches them too)
+  plain = _PLAIN_TYPES
   for position, base in enumerate(bases):
     if base._trace_index != position: return False
     arg, srcs = base.arg, base.srcs
-    extend((base.op, arg if type(arg) in _PLAIN_TYPES and arg else hashable_arg(arg),
-            base.dtype, base.device, base.shape, base.forced_realize, len(srcs)))
+    # (most args are None or a nonzero int or float: no call to hashable_arg)
+    extend((base.op, arg if arg is None or (type(arg) in plain and arg) else hashable_arg(arg), base.dtype,
+            base.device, base.shape, base.forced_realize, len(srcs)))
     for src in srcs:
       src_base = src._base or src   # (a view's base; a base is its own: LazyBuffers are always true)
       index = src_base._trace_index
       # most sources are bases of this trace, which are never realized (only a schedule realizes bases, and it takes
-      # the trace first): tested first, the realized check only confirms it
-      if 0 <= index < count and bases[index] is src_base and src_base.realized is None:
+      # the trace first): tested first, the realized check only confirms it. An index is -1 (not traced) or a
+      # position, of this trace or an earlier one: -1 reads the last base, which holds its own position (>= 0, the
+      # check above, met there or still to come), so it never passes for a base that is not at that position
+      if index < count and bases[index] is src_base and src_base.realized is None:
         extend((index, src.st))
         continue
       buffer = src_base.realized
@@ -141,7 +145,7 @@ def describe(trace: Trace) -> bool:
           value = src_base.arg
           # (most values are nonzero numbers; a false one goes through hashable_arg, which keeps None, 0 and False
           # as they are and tells 0.0 from -0.0)
-          extend((_INLINE, value if type(value) in _PLAIN_TYPES and value else hashable_arg(value), src_base.dtype,
+          extend((_INLINE, value if type(value) in plain and value else hashable_arg(value), src_base.dtype,
                   src_base.device, src_base.shape, src.st))
           continue
         # a lazy base made before the trace (or a constant forced into memory): described after the ones listed

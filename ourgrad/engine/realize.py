@@ -216,9 +216,12 @@ def lower_schedule_item(item: ScheduleItem, reuse: bool = False) -> ExecItem:
   else:
     ast, var_vals, block_counters = _lowering_facts(item.ast)
     runner = get_runner(device, ast)
-    if memo is not None:   # (the generation after get_runner, whose insert may have evicted another kernel)
+    # (the generation after get_runner, whose insert may have evicted another kernel; a cache without one keeps no
+    # lowering: run_schedule's quiet path reads the generation of the cache a memo came from)
+    generation = getattr(_runner_cache, "generation", None)
+    if memo is not None and generation is not None:
       memo.runner, memo.var_vals, memo.block_counters = runner, var_vals, block_counters
-      memo.source, memo.generation, memo.idle = _runner_cache, getattr(_runner_cache, "generation", None), []
+      memo.source, memo.generation, memo.idle = _runner_cache, generation, []
       # (a kernel with bound Variables or block counters takes more than the item's buffers: an ExecItem runs it)
       memo.launch = runner.launcher() if not var_vals and not block_counters else None
   if block_counters: buffers.append(split_counters(device, runner))
@@ -408,28 +411,24 @@ def launch_replayed(item: ScheduleItem, memo: Any) -> None:
   GlobalCounters.global_mem += runner.byte_count
 
 
-def _launch_if_replayed(item: ScheduleItem, generation: Any) -> bool:
-  """Launch `item` through its memo's launcher if it is a replayed item lowered in this cache `generation` (None: not
-  now: run_schedule's quiet path), counted as ExecItem.run counts; whether it did."""
-  memo = item.lowering
-  if generation is None or memo is None or memo.launch is None or memo.generation != generation or \
-      memo.source is not _runner_cache:
-    return False
-  launch_replayed(item, memo)
-  return True
-
-
 def run_schedule(schedule: list[ScheduleItem]) -> None:
   """Plan memory, lower and launch every item in order (counting kernels, ops and bytes in GlobalCounters)."""
+  if len(schedule) == 1:
+    # one kernel (a small eager realize): nothing to plan, no note, no graph. A replayed item lowered before, while
+    # nothing prints, times or records launches, is launched through its memo's launcher (ExecItem.run's fast path,
+    # without an ExecItem): valid while the compiled-kernel cache it was lowered from is the one in use and has dropped
+    # nothing since (a memo is only filled from a cache with a generation)
+    memo = schedule[0].lowering
+    if memo is not None and memo.launch is not None and memo.source is _runner_cache and \
+        memo.generation == _runner_cache.generation and not is_capturing() and quiet_launches():
+      launch_replayed(schedule[0], memo)
+      return
   capturing = is_capturing()   # a capturing JIT keeps the items it sees: each one its own
   # a replayed item lowered before, launched while nothing prints, times or records launches: its memo's launcher
   # called with its buffers (what ExecItem.run's fast path does, without an ExecItem). A cache without a generation
   # (as a test may swap in) keeps no lowering
   generation = getattr(_runner_cache, "generation", None) if not capturing and quiet_launches() else None
-  if len(schedule) == 1:
-    # one kernel (a small eager realize): nothing to plan, no note, no graph; replayed, it skips the loop's setup too
-    if _launch_if_replayed(schedule[0], generation): return
-  elif len(schedule) > 1:
+  if len(schedule) > 1:
     note_compiles(schedule)
     plan_schedule_memory(schedule)
     # a cached schedule realized again and again runs as one graph (engine/capture.py; one kernel: one launch already)
@@ -440,7 +439,11 @@ def run_schedule(schedule: list[ScheduleItem]) -> None:
   misses = _runner_misses[0]
   for index, item in enumerate(schedule):
     if ahead is not None: ahead.ready(index)
-    if _launch_if_replayed(item, generation): continue
+    memo = item.lowering
+    if generation is not None and memo is not None and memo.launch is not None and memo.generation == generation \
+        and memo.source is _runner_cache:
+      launch_replayed(item, memo)
+      continue
     if capturing: lower_schedule_item(item).run()
     else:
       exec_item = lower_schedule_item(item, reuse=True)

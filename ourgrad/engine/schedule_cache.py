@@ -85,6 +85,12 @@ class CachedSchedule:
   lowerings: list[LoweringMemo] = field(default_factory=list)
   assigns: list[int] = field(default_factory=list)   # walked bases that are ASSIGNs (copy-on-write at each replay)
   key: _Key | None = None           # the key it is stored under
+  # per item (ast, output slots, input slots, lowering): what a replay builds each ScheduleItem from, in one tuple
+  items: list[tuple[Any, tuple[int, ...], tuple[int, ...], LoweringMemo]] = field(init=False, repr=False)
+
+  def __post_init__(self) -> None:
+    if len(self.lowerings) != len(self.asts): self.lowerings = [LoweringMemo() for _ in self.asts]
+    self.items = list(zip(self.asts, self.output_slots, self.input_slots, self.lowerings))
 
 
 _cache: OrderedDict[_Key, CachedSchedule] = OrderedDict()
@@ -210,8 +216,9 @@ def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   trace_tokens = _trace_tokens(trace, outs, (settings, tf32)) if trace is not None and settings[1] else None
   trace_key: _Key | None = None
   if trace_tokens is not None:
-    # the schedule the last traced realize found first (a loop realizes one graph again and again): compared in C,
-    # no hash and no lookup; equal tokens are equal keys, so it is the entry a lookup would find
+    # the schedule the last traced realize found or stored first (a loop realizes one graph again and again): compared
+    # in C, no hash and no lookup; equal tokens are equal keys, so it is the entry a lookup would find, and the most
+    # recently used of _traced already (each lookup's hit and each insert becomes the last one)
     traced = _last_traced[0]
     if traced is None or traced.key.tokens != trace_tokens:
       # hashed by its length and outputs only (hashing every token calls each view's and dtype's Python __hash__;
@@ -219,9 +226,10 @@ def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
       # which a hit does once anyway
       trace_key = _Key(trace_tokens, hash((len(trace_tokens[0]), trace_tokens[1])))
       traced = _traced.get(trace_key)
-      if traced is not None: _last_traced[0] = traced
+      if traced is not None:
+        _traced.move_to_end(traced.key)
+        _last_traced[0] = traced
     if traced is not None:
-      _traced.move_to_end(traced.key)
       stats.hits += 1
       stats.traced_hits += 1
       bases, leaves = trace.bases, trace.leaves
@@ -355,11 +363,11 @@ def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer
     append(buffer)
   # an assign writes a leaf's buffer, or the buffer of an earlier assign of this graph (a chain), a packed attention
   # dK/dV op the dQ op's: all in the pool
-  for index, slot in cached.shared: bases[index].realized = pool[slot]
-  for device, size, dtype in cached.scratch: append(Buffer(device, size, dtype))
-  take = pool.__getitem__
-  items = [replayed_item(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
-           for ast, outputs, inputs, lowering in zip(cached.asts, cached.output_slots, cached.input_slots,
-                                                     cached.lowerings)]
+  if cached.shared:
+    for index, slot in cached.shared: bases[index].realized = pool[slot]
+  if cached.scratch:
+    for device, size, dtype in cached.scratch: append(Buffer(device, size, dtype))
   for index in cached.cleared: bases[index].srcs = ()
-  return items
+  take = pool.__getitem__
+  return [replayed_item(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
+          for ast, outputs, inputs, lowering in cached.items]
