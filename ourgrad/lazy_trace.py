@@ -47,9 +47,9 @@ class Trace:
   def __init__(self) -> None:
     self.bases: list[LazyBuffer] = []
     self.tainted = False
-    self.tokens: list[Any] = []
+    self.tokens: tuple = ()
     self.leaves: list[Any] = []            # distinct realized Buffers read, in first-read order (describe)
-    self.leaf_index: dict[int, int] = {}   # id(Buffer) -> position in leaves
+    self.leaf_index: dict[Any, int] = {}   # Buffer -> position in leaves
 
   def position(self, base: LazyBuffer) -> int:
     """The position of `base` in this trace, -1 if it is not traced here."""
@@ -103,19 +103,19 @@ def hashable_arg(arg: Any) -> Any:
   return arg
 
 
-def describe(trace: Trace) -> bool:
-  """Write `trace.tokens`, `leaves` and `leaf_index` (the module docstring); False if the trace is inconsistent (a
-  base not at its position: graphs two threads built at once). One loop over the list, which grows as bases made
-  before the trace are appended."""
+def describe(trace: Trace) -> tuple | None:
+  """The trace's tokens (the module docstring), also kept as `trace.tokens` with `leaves` and `leaf_index`; None if
+  the trace is inconsistent (a base not at its position: graphs two threads built at once). One loop over the list,
+  which grows as bases made before the trace are appended."""
   bases = trace.bases
   tokens: list[Any] = []
   extend = tokens.extend
   leaves: list[Any] = []
-  leaf_index: dict[int, int] = {}
+  leaf_index: dict[Any, int] = {}
   count = len(bases)   # (grows as bases made before the trace are appended: the loop reaches them too)
   plain = _PLAIN_TYPES
   for position, base in enumerate(bases):
-    if base._trace_index != position: return False
+    if base._trace_index != position: return None
     arg, srcs = base.arg, base.srcs
     # (most args are None or a nonzero int or float: no call to hashable_arg)
     extend((base.op, arg if arg is None or (type(arg) in plain and arg) else hashable_arg(arg), base.dtype,
@@ -132,9 +132,9 @@ def describe(trace: Trace) -> bool:
         continue
       buffer = src_base.realized
       if buffer is not None:
-        leaf = leaf_index.get(id(buffer))
+        leaf = leaf_index.get(buffer)   # (Buffers compare and hash by identity)
         if leaf is None:
-          leaf = leaf_index[id(buffer)] = len(leaves)
+          leaf = leaf_index[buffer] = len(leaves)
           leaves.append(buffer)
           extend((_LEAF, leaf, src.st, src_base.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
         else:
@@ -153,5 +153,5 @@ def describe(trace: Trace) -> bool:
         bases.append(src_base)
         count += 1
       extend((index, src.st))
-  trace.tokens, trace.leaves, trace.leaf_index = tokens, leaves, leaf_index
-  return True
+  trace.tokens, trace.leaves, trace.leaf_index = (described := tuple(tokens)), leaves, leaf_index
+  return described

@@ -411,8 +411,25 @@ def launch_replayed(item: ScheduleItem, memo: Any) -> None:
   GlobalCounters.global_mem += runner.byte_count
 
 
+def launch_one(memo: Any, buffers: list[Buffer]) -> bool:
+  """Launch a replayed one-kernel schedule's kernel (schedule_cache.schedule's `launch_one`) through its memo's
+  launcher on `buffers` (outputs, then inputs), as run_schedule's quiet path would; False where that path would not
+  take it: not lowered from the compiled-kernel cache in use, a launch that prints or is timed, a JIT recording."""
+  launch = memo.launch
+  if launch is None or memo.source is not _runner_cache or memo.generation != _runner_cache.generation or \
+      is_capturing() or not quiet_launches():
+    return False
+  launch(buffers)
+  runner = memo.runner
+  GlobalCounters.kernel_count += 1
+  GlobalCounters.global_ops += runner.op_count
+  GlobalCounters.global_mem += runner.byte_count
+  return True
+
+
 def run_schedule(schedule: list[ScheduleItem]) -> None:
   """Plan memory, lower and launch every item in order (counting kernels, ops and bytes in GlobalCounters)."""
+  if not schedule: return
   if len(schedule) == 1:
     # one kernel (a small eager realize): nothing to plan, no note, no graph. A replayed item lowered before, while
     # nothing prints, times or records launches, is launched through its memo's launcher (ExecItem.run's fast path,
