@@ -23,9 +23,10 @@ from ourgrad.dtype import dtypes
 from ourgrad.engine.capture import run_captured
 from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner, is_capturing, jit_recording, \
   quiet_launches  # noqa: F401 (re-exported)
-from ourgrad.engine.memory import RecordedPlan, held_only_by_items, plan_memory, unheld_buffers
+from ourgrad.engine.memory import RecordedPlan, held_only_by_items, plan_memory
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule import ALWAYS_REALIZED_OPS, ScheduleItem
+from ourgrad.engine.schedule_item import ReplayedSchedule
 from ourgrad import lazy_trace
 from ourgrad.lazy import LazyBuffer
 from ourgrad.errors import CompileError, DeviceError
@@ -258,102 +259,41 @@ def lower_schedule(schedule: list[ScheduleItem]) -> list[ExecItem]:
 
 def plan_schedule_memory(schedule: list[ScheduleItem]) -> None:
   """Let the schedule's internal buffers (ones that only its items hold and that are not allocated yet) share
-  memory where their lifetimes do not overlap. A replayed schedule (every item kept by the schedule cache) plans once
-  per set of internal buffers and replays that plan (memory.RecordedPlan) at its later realizes, found through the
-  layout of its buffers (_BufferLayout) without counting every item's buffers again."""
+  memory where their lifetimes do not overlap. A replayed schedule (schedule_item.ReplayedSchedule: its items as the
+  cache keeps them) plans once per set of internal buffers and replays that plan (memory.RecordedPlan) at its later
+  realizes, found by the slots of its pool of buffers (memory.PoolMemory) without counting every item's buffers."""
   if len(schedule) < 3 or NO_MEMORY_PLANNER: return
   plans = _recorded_plans(schedule)
   if plans is not None and _replay_recorded_plan(schedule, plans): return
   containers = [container for item in schedule for container in (item.outputs, item.inputs)]
+  # (a replayed schedule's pool holds each of its buffers too)
+  if type(schedule) is ReplayedSchedule: containers.append(schedule.pool)
   internal = held_only_by_items(containers)
   if len(internal) < 2: return
   internal = {id(buffer) for item in schedule for buffer in item.outputs if id(buffer) in internal
               and not buffer.is_allocated}
   buffer_lists = [item.outputs + item.inputs for item in schedule]
-  if plans is None:
-    plan_memory(buffer_lists, lambda buffer: id(buffer) in internal)
-    return
-  # the distinct buffers in first-use order: a replay of the same schedule has the same pattern of them
-  ordinal: dict[int, int] = {}
-  buffers: list[Buffer] = []
-  for buffer_list in buffer_lists:
-    for buffer in buffer_list:
-      if id(buffer) not in ordinal:
-        ordinal[id(buffer)] = len(buffers)
-        buffers.append(buffer)
-  schedule[0].lowering.memory_layout = _BufferLayout.of(schedule)
-  pattern = tuple(ordinal[key] for key in ordinal if key in internal)
-  recorded = plans.get(pattern)
-  if recorded is not None:
-    recorded.apply(buffers)
-    return
   assigned = plan_memory(buffer_lists, lambda buffer: id(buffer) in internal)
+  if plans is None: return
+  # recorded by pool slot: a later replay's pool has the same slots (the set found again by PoolMemory.internal_slots)
+  pool: list[Buffer] = schedule.pool   # type: ignore[attr-defined]
+  slot_of = {id(buffer): slot for slot, buffer in enumerate(pool)}
+  pattern = tuple(sorted(slot_of[key] for key in internal))
   if len(plans) >= RECORDED_PLANS_PER_SCHEDULE: plans.clear()
-  plans[pattern] = RecordedPlan.of(ordinal, assigned, "schedule")
-
-
-class _BufferLayout:
-  """Where a replayed schedule's distinct buffers are, in first-use order (their ordinals, as RecordedPlan numbers
-  them): every replay of one cached schedule (the same LoweringMemos in the same order) reads and writes the same
-  pattern of buffers (schedule_cache._replay builds each item from one pool of distinct buffers by fixed slots), so
-  the ordinals, which of them an item writes, and how many item slots hold each are taken once."""
-  __slots__ = ("memos", "places", "written", "slots")
-
-  def __init__(self, memos: tuple[Any, ...], places: list[tuple[int, bool, int]], written: list[int],
-               slots: list[int]):
-    self.memos = memos        # each item's LoweringMemo: the schedule this layout is of
-    self.places = places      # per ordinal: (item index, in its outputs (else inputs), index there) of its first use
-    self.written = written    # the ordinals some item writes, ascending (the only ones the planner may share)
-    self.slots = slots        # per written ordinal: the item slots holding it, plus one (the list of buffers)
-
-  @staticmethod
-  def of(schedule: list[ScheduleItem]) -> _BufferLayout:
-    ordinal: dict[int, int] = {}
-    places: list[tuple[int, bool, int]] = []
-    counts: list[int] = []
-    written: set[int] = set()
-    for index, item in enumerate(schedule):
-      for is_output, buffers in ((True, item.outputs), (False, item.inputs)):
-        for position, buffer in enumerate(buffers):
-          number = ordinal.get(id(buffer))
-          if number is None:
-            number = ordinal[id(buffer)] = len(places)
-            places.append((index, is_output, position))
-            counts.append(0)
-          counts[number] += 1
-          if is_output: written.add(number)
-    ordered = sorted(written)
-    return _BufferLayout(tuple(item.lowering for item in schedule), places, ordered,
-                         [counts[number] + 1 for number in ordered])
-
-  def fits(self, schedule: list[ScheduleItem]) -> bool:
-    """Whether `schedule` is a replay of the schedule this layout was taken from."""
-    memos = self.memos
-    if len(memos) != len(schedule): return False
-    for item, memo in zip(schedule, memos):
-      if item.lowering is not memo: return False
-    return True
-
-  def buffers(self, schedule: list[ScheduleItem]) -> list[Buffer]:
-    """`schedule`'s distinct buffers in first-use order."""
-    return [schedule[index].outputs[position] if is_output else schedule[index].inputs[position]
-            for index, is_output, position in self.places]
+  plans[pattern] = RecordedPlan.of(slot_of, assigned, "schedule")
 
 
 def _replay_recorded_plan(schedule: list[ScheduleItem], plans: dict[tuple[int, ...], RecordedPlan]) -> bool:
-  """Plan a replayed schedule through its buffer layout: apply the plan recorded for its set of internal buffers
-  (the written ones not allocated yet that nothing but the items holds), or nothing where that set has fewer than
-  two. False where this cannot tell (no layout of this schedule yet, no plan recorded for the set): plan as usual."""
-  layout = schedule[0].lowering.memory_layout
-  if layout is None or not layout.fits(schedule): return False
-  buffers = layout.buffers(schedule)
-  unheld = unheld_buffers(buffers, layout.written, layout.slots)
-  if unheld is None: return False
-  pattern = tuple(ordinal for ordinal in unheld if buffers[ordinal]._handle is None)   # (is_allocated, no call)
+  """Plan a replayed schedule by the slots of its pool: apply the plan recorded for its set of internal buffers, or
+  nothing where that set has fewer than two. False where this cannot tell (reference counts do not tell, no plan
+  recorded for the set): plan as usual."""
+  pool: list[Buffer] = schedule.pool   # type: ignore[attr-defined]
+  pattern = schedule.memory.internal_slots(pool)   # type: ignore[attr-defined]
+  if pattern is None: return False
   if len(pattern) < 2: return True   # (as planning: fewer than two internal buffers share nothing)
   recorded = plans.get(pattern)
   if recorded is None: return False
-  recorded.apply(buffers)
+  recorded.apply(pool)
   return True
 
 
@@ -363,12 +303,11 @@ RECORDED_PLANS_PER_SCHEDULE = 4
 
 
 def _recorded_plans(schedule: list[ScheduleItem]) -> dict[tuple[int, ...], RecordedPlan] | None:
-  """The plans a replayed schedule recorded (kept on its first item's LoweringMemo), or None for a schedule that is
-  not one (an item the cache does not keep: a snapshot or a packed kernel, whose structure may change per call)."""
-  memo = schedule[0].lowering
-  if memo is None or any(item.lowering is None for item in schedule): return None
-  if memo.memory_plans is None: memo.memory_plans = {}
-  return memo.memory_plans
+  """The plans a replayed schedule recorded (its cached schedule's PoolMemory.plans), or None for a schedule that is
+  not one as the cache keeps it (planned as usual, nothing recorded): a miss's, or a replay that copy-on-write
+  snapshots lengthened or kernel packing rebuilt."""
+  if type(schedule) is not ReplayedSchedule or len(schedule) != schedule.memory.items: return None
+  return schedule.memory.plans
 
 
 COMPILE_NOTE = env_var("COMPILE_NOTE", -1, "-1: before a schedule that compiles at least 8 new kernels (a first "

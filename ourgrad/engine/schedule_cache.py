@@ -26,7 +26,8 @@ from ourgrad.lazy_trace import PLAIN_ARG_TYPES, hashable_arg
 from ourgrad.device import Buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
-from ourgrad.engine.schedule_item import LoweringMemo, replayed_item
+from ourgrad.engine.memory import PoolMemory
+from ourgrad.engine.schedule_item import LoweringMemo, ReplayedSchedule, replayed_item
 from ourgrad.helpers import (ELEMENT_REDUCES, GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, RIDE_ALONG,
                              ROW_KERNELS, SPLIT_LAST_BLOCK, EnvSnapshot, env_var, register_cache_clearer, tf32_allowed)
 from ourgrad.lazy import LazyBuffer
@@ -91,10 +92,12 @@ class CachedSchedule:
   # whether a replay is one kernel on fresh buffers and leaves (no assign, no shared or scratch buffer): what
   # _launch_replay launches without a ScheduleItem
   one_kernel: bool = field(init=False, repr=False)
+  memory: PoolMemory = field(init=False, repr=False)   # its pool's written slots and recorded memory plans
 
   def __post_init__(self) -> None:
     if len(self.lowerings) != len(self.asts): self.lowerings = [LoweringMemo() for _ in self.asts]
     self.items = list(zip(self.asts, self.output_slots, self.input_slots, self.lowerings))
+    self.memory = PoolMemory(self.output_slots, self.input_slots)
     self.one_kernel = len(self.asts) == 1 and self.asts[0].op is not Ops.COPY and not self.assigns and \
       not self.shared and not self.scratch
 
@@ -400,5 +403,7 @@ def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer
     for device, size, dtype in cached.scratch: append(Buffer(device, size, dtype))
   for index in cached.cleared: bases[index].srcs = ()
   take = pool.__getitem__
-  return [replayed_item(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
-          for ast, outputs, inputs, lowering in cached.items]
+  items = ReplayedSchedule(replayed_item(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
+                           for ast, outputs, inputs, lowering in cached.items)
+  items.pool, items.memory = pool, cached.memory
+  return items
