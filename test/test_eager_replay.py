@@ -129,3 +129,40 @@ def test_launch_one_refuses_while_launches_print_or_a_jit_records(monkeypatch, c
     inputs = Tensor(np.full(6, value, dtype=np.float32)).realize()
     np.testing.assert_array_equal(step(inputs).numpy(), np.full(6, value + 4, dtype=np.float32))
   assert len(step.captured.items) == 1
+
+
+def test_a_replays_internal_slots_are_the_buffers_only_its_items_hold(monkeypatch):
+  """memory.PoolMemory.internal_slots (reference counts of the written slots of a replay's pool) against
+  held_only_by_items over every item's buffers and the pool: the same buffers, whether the user keeps an intermediate
+  or not, at every replay of a three-kernel chain."""
+  from ourgrad.engine import realize
+  from ourgrad.engine.memory import held_only_by_items
+  from ourgrad.engine.schedule_item import ReplayedSchedule
+  seen: list[tuple[set, set]] = []
+  original = realize.plan_schedule_memory
+
+  def check(schedule):
+    if type(schedule) is ReplayedSchedule and len(schedule) == schedule.memory.items:
+      pool = schedule.pool
+      by_slots = {id(pool[slot]) for slot in schedule.memory.internal_slots(pool)}
+      containers = [c for item in schedule for c in (item.outputs, item.inputs)] + [pool]
+      held = held_only_by_items(containers)
+      by_count = {id(b) for item in schedule for b in item.outputs if id(b) in held and b._handle is None}
+      seen.append((by_slots, by_count))
+    original(schedule)
+  monkeypatch.setattr(realize, "plan_schedule_memory", check)
+  rng = np.random.default_rng(22)
+
+  def build(x: Tensor, keep: bool) -> tuple[Tensor, Tensor | None]:
+    first = (x * 2).contiguous()
+    second = (first.exp2() + x).contiguous()
+    return second.sum(axis=1) * 3, (first if keep else None)
+  for keep in (False, False, True, False, True, False):
+    x = Tensor(rng.standard_normal((8, 8)).astype(np.float32)).realize()
+    out, kept = build(x, keep)
+    out.realize()
+    expected = (np.exp2(x.numpy() * 2) + x.numpy()).sum(axis=1) * 3
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5)
+    del kept
+  assert len(seen) >= 3 and all(by_slots == by_count for by_slots, by_count in seen)
+  assert len({len(by_slots) for by_slots, _ in seen}) == 2   # (a kept intermediate is one internal buffer less)
