@@ -195,8 +195,9 @@ class PoolMemory:
     return self._unheld(pool, _POOL_COUNTING)
 
   def _unheld(self, pool: Sequence[Buffer], counting: int) -> tuple[int, ...]:
-    return tuple(slot for slot, holders in zip(self.written, self.holders)
-                 if getrefcount(pool[slot]) - holders == counting and pool[slot]._handle is None)
+    # (a list comprehension: a generator would be resumed once per slot)
+    return tuple([slot for slot, holders in zip(self.written, self.holders)
+                  if getrefcount(pool[slot]) - holders == counting and pool[slot]._handle is None])
 
 
 class _Unallocated:

@@ -403,7 +403,8 @@ def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer
     for device, size, dtype in cached.scratch: append(Buffer(device, size, dtype))
   for index in cached.cleared: bases[index].srcs = ()
   take = pool.__getitem__
-  items = ReplayedSchedule(replayed_item(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
-                           for ast, outputs, inputs, lowering in cached.items)
+  # (a list comprehension: a generator would be resumed once per item)
+  items = ReplayedSchedule([replayed_item(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
+                            for ast, outputs, inputs, lowering in cached.items])
   items.pool, items.memory = pool, cached.memory
   return items
