@@ -295,10 +295,14 @@ def _trace_tokens(trace: lazy_trace.Trace, outs: Sequence[LazyBuffer], settings:
   output is not an unrealized base of the trace (a constant, made before it) or the trace is inconsistent."""
   references: list[Any] = []
   bases = trace.bases
+  count = len(bases)
+  if not count: return None
   for out in outs:
     base = out._base or out
-    index = base._trace_index   # (Trace.position without the call: a base of this trace is at its position)
-    if not (0 <= index < len(bases) and bases[index] is base) or base.realized is not None: return None
+    # (Trace.position without the call: a base of this trace is at its position; an index is -1 or a position, and
+    # -1 reads the last base, which describe checks holds its own position: lazy_trace.describe)
+    index = base._trace_index
+    if index >= count or bases[index] is not base or base.realized is not None: return None
     references += (index, out.st)
   tokens = lazy_trace.describe(trace)
   return None if tokens is None else (tokens, tuple(references), settings)
