@@ -252,7 +252,7 @@ def _schedule(outs: Sequence[LazyBuffer], launch_one: LaunchOne | None) -> list[
       if not traced.assigns:
         if launch_one is not None and traced.one_kernel and _launch_replay(traced, bases, leaves, launch_one): return []
         return _replay(traced, bases, leaves)
-      assigns = [(bases[index], bases[index].srcs[1].base) for index in traced.assigns]
+      assigns = [(assign, assign.srcs[1]._base or assign.srcs[1]) for assign in map(bases.__getitem__, traced.assigns)]
       items = _replay(traced, bases, leaves)
       del bases, leaves   # (see below)
       return scheduler.protect_and_pack(items, assigns)
