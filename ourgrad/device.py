@@ -149,7 +149,9 @@ class LRUAllocator(Allocator):
 
   def free(self, handle: Any, nbytes: int) -> None:
     with MEMORY_LOCK:
-      limit = self.cache_limit()
+      # (cache_limit's kept answer read here: every buffer freed asks)
+      known = self._limit
+      limit = known[1] if known is not None and known[0] is environ_lookup(_CACHE_LIMIT_KEY) else self.cache_limit()
       if limit >= 0 and self.cached_total + nbytes > limit:
         self._free(handle, nbytes)
         return
@@ -224,6 +226,9 @@ class HostAllocator(LRUAllocator):
 
 class Buffer:
   """`size` elements of `dtype` on `device`. Memory is taken on first use (`allocate`)."""
+  # the allocator that gave this buffer its own memory (allocate): where __del__ gives it back without looking the
+  # device up again (None: memory set by a subclass, or none)
+  _allocator: Allocator | None = None
 
   def __init__(self, device: str, size: int, dtype: DType):
     # a symbolic size (a shape with a bound Variable) gets memory for the Variable's largest value
@@ -247,7 +252,7 @@ class Buffer:
     with MEMORY_LOCK:
       if self._handle is None:
         nbytes = self.size * self.dtype.itemsize
-        allocator = Device[self.device].allocator
+        allocator = self._allocator = Device[self.device].allocator
         handle = self._handle = allocator.alloc(nbytes or 1)
         # a host array's address, remembered by its allocator (HostAllocator.pointers): what host kernels take
         pointers = allocator.pointers
@@ -303,7 +308,8 @@ class Buffer:
       nbytes = self.size * self.dtype.itemsize
       with MEMORY_LOCK:
         GlobalCounters.mem_used -= nbytes
-        Device[self.device].allocator.free(handle, nbytes or 1)
+        allocator = self._allocator
+        (allocator if allocator is not None else Device[self.device].allocator).free(handle, nbytes or 1)
     except Exception:  # interpreter shutdown: the device module (or the lock) may be gone already
       pass
 

@@ -47,9 +47,9 @@ class Trace:
   def __init__(self) -> None:
     self.bases: list[LazyBuffer] = []
     self.tainted = False
-    self.tokens: list[Any] = []
+    self.tokens: tuple = ()
     self.leaves: list[Any] = []            # distinct realized Buffers read, in first-read order (describe)
-    self.leaf_index: dict[int, int] = {}   # id(Buffer) -> position in leaves
+    self.leaf_index: dict[Any, int] = {}   # Buffer -> position in leaves
 
   def position(self, base: LazyBuffer) -> int:
     """The position of `base` in this trace, -1 if it is not traced here."""
@@ -103,34 +103,38 @@ def hashable_arg(arg: Any) -> Any:
   return arg
 
 
-def describe(trace: Trace) -> bool:
-  """Write `trace.tokens`, `leaves` and `leaf_index` (the module docstring); False if the trace is inconsistent (a
-  base not at its position: graphs two threads built at once). One loop over the list, which grows as bases made
-  before the trace are appended."""
+def describe(trace: Trace) -> tuple | None:
+  """The trace's tokens (the module docstring), also kept as `trace.tokens` with `leaves` and `leaf_index`; None if
+  the trace is inconsistent (a base not at its position: graphs two threads built at once). One loop over the list,
+  which grows as bases made before the trace are appended."""
   bases = trace.bases
   tokens: list[Any] = []
   extend = tokens.extend
   leaves: list[Any] = []
-  leaf_index: dict[int, int] = {}
+  leaf_index: dict[Any, int] = {}
   count = len(bases)   # (grows as bases made before the trace are appended: the loop reaches them too)
+  plain = _PLAIN_TYPES
   for position, base in enumerate(bases):
-    if base._trace_index != position: return False
+    if base._trace_index != position: return None
     arg, srcs = base.arg, base.srcs
-    extend((base.op, arg if type(arg) in _PLAIN_TYPES and arg else hashable_arg(arg),
-            base.dtype, base.device, base.shape, base.forced_realize, len(srcs)))
+    # (most args are None or a nonzero int or float: no call to hashable_arg)
+    extend((base.op, arg if arg is None or (type(arg) in plain and arg) else hashable_arg(arg), base.dtype,
+            base.device, base.shape, base.forced_realize, len(srcs)))
     for src in srcs:
       src_base = src._base or src   # (a view's base; a base is its own: LazyBuffers are always true)
       index = src_base._trace_index
       # most sources are bases of this trace, which are never realized (only a schedule realizes bases, and it takes
-      # the trace first): tested first, the realized check only confirms it
-      if 0 <= index < count and bases[index] is src_base and src_base.realized is None:
+      # the trace first): tested first, the realized check only confirms it. An index is -1 (not traced) or a
+      # position, of this trace or an earlier one: -1 reads the last base, which holds its own position (>= 0, the
+      # check above, met there or still to come), so it never passes for a base that is not at that position
+      if index < count and bases[index] is src_base and src_base.realized is None:
         extend((index, src.st))
         continue
       buffer = src_base.realized
       if buffer is not None:
-        leaf = leaf_index.get(id(buffer))
+        leaf = leaf_index.get(buffer)   # (Buffers compare and hash by identity)
         if leaf is None:
-          leaf = leaf_index[id(buffer)] = len(leaves)
+          leaf = leaf_index[buffer] = len(leaves)
           leaves.append(buffer)
           extend((_LEAF, leaf, src.st, src_base.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
         else:
@@ -141,7 +145,7 @@ def describe(trace: Trace) -> bool:
           value = src_base.arg
           # (most values are nonzero numbers; a false one goes through hashable_arg, which keeps None, 0 and False
           # as they are and tells 0.0 from -0.0)
-          extend((_INLINE, value if type(value) in _PLAIN_TYPES and value else hashable_arg(value), src_base.dtype,
+          extend((_INLINE, value if type(value) in plain and value else hashable_arg(value), src_base.dtype,
                   src_base.device, src_base.shape, src.st))
           continue
         # a lazy base made before the trace (or a constant forced into memory): described after the ones listed
@@ -149,5 +153,5 @@ def describe(trace: Trace) -> bool:
         bases.append(src_base)
         count += 1
       extend((index, src.st))
-  trace.tokens, trace.leaves, trace.leaf_index = tokens, leaves, leaf_index
-  return True
+  trace.tokens, trace.leaves, trace.leaf_index = (described := tuple(tokens)), leaves, leaf_index
+  return described

@@ -84,3 +84,85 @@ def test_one_replayed_kernel_counts_once_and_a_recording_jit_still_sees_it():
     inputs = Tensor(np.full(5, value, dtype=np.float32)).realize()
     np.testing.assert_array_equal(step(inputs).numpy(), np.full(5, value - 2, dtype=np.float32))
   assert len(step.captured.items) == 1
+
+
+def test_a_replayed_kernel_launched_by_the_schedule_cache_makes_no_schedule_item(monkeypatch):
+  """Tensor.realize of a one-kernel replay launches through realize.launch_one from the schedule cache: no
+  ScheduleItem is made, one kernel is counted, and the result is the general path's (random inputs, new buffers and
+  a constant changed between realizes; after each, the output's lazy base holds its buffer and its sources are
+  dropped, as a replay leaves them)."""
+  made = []
+  monkeypatch.setattr(schedule_cache, "replayed_item", lambda *args: made.append(args) or replayed_item(*args))
+  rng = np.random.default_rng(21)
+  for step in range(8):
+    values = rng.standard_normal(7).astype(np.float32)
+    x = Tensor(values).realize()
+    constant = 1.5 if step < 6 else -2.5
+    before = GlobalCounters.kernel_count
+    out = (x * constant + 1).realize()
+    assert GlobalCounters.kernel_count == before + 1
+    assert out.lazydata.base.realized is not None and out.lazydata.base.srcs == ()
+    np.testing.assert_allclose(out.numpy(), values * np.float32(constant) + 1, rtol=1e-6, atol=1e-6)
+  assert not made[2:]   # (the first realizes schedule and lower; later ones are launched without an item)
+
+
+def test_launch_one_refuses_while_launches_print_or_a_jit_records(monkeypatch, capsys):
+  """Where run_schedule's quiet path would not launch (DEBUG=2 prints each kernel; a recording TinyJit keeps each
+  ExecItem), the schedule cache builds the item and run_schedule runs it as before."""
+  from ourgrad.engine import realize
+  x = Tensor(np.arange(6, dtype=np.float32)).realize()
+  for _ in range(3): (x + 4).realize()
+  launched = []
+  original = realize.launch_one
+  monkeypatch.setattr(realize, "launch_one", lambda memo, buffers: launched.append(original(memo, buffers)) or
+                      launched[-1])
+  (x + 4).realize()
+  assert launched == [True]
+  monkeypatch.setenv("DEBUG", "2")
+  np.testing.assert_array_equal((x + 4).realize().numpy(), np.arange(6, dtype=np.float32) + 4)
+  monkeypatch.delenv("DEBUG")
+  assert "E_" in capsys.readouterr().out   # (the kernel's DEBUG=2 line: launched by run_schedule's general path)
+
+  @TinyJit
+  def step(inputs: Tensor) -> Tensor: return (inputs + 4).realize()
+  for value in range(3):
+    inputs = Tensor(np.full(6, value, dtype=np.float32)).realize()
+    np.testing.assert_array_equal(step(inputs).numpy(), np.full(6, value + 4, dtype=np.float32))
+  assert len(step.captured.items) == 1
+
+
+def test_a_replays_internal_slots_are_the_buffers_only_its_items_hold(monkeypatch):
+  """memory.PoolMemory.internal_slots (reference counts of the written slots of a replay's pool) against
+  held_only_by_items over every item's buffers and the pool: the same buffers, whether the user keeps an intermediate
+  or not, at every replay of a three-kernel chain."""
+  from ourgrad.engine import realize
+  from ourgrad.engine.memory import held_only_by_items
+  from ourgrad.engine.schedule_item import ReplayedSchedule
+  seen: list[tuple[set, set]] = []
+  original = realize.plan_schedule_memory
+
+  def check(schedule):
+    if type(schedule) is ReplayedSchedule and len(schedule) == schedule.memory.items:
+      pool = schedule.pool
+      by_slots = {id(pool[slot]) for slot in schedule.memory.internal_slots(pool)}
+      containers = [c for item in schedule for c in (item.outputs, item.inputs)] + [pool]
+      held = held_only_by_items(containers)
+      by_count = {id(b) for item in schedule for b in item.outputs if id(b) in held and b._handle is None}
+      seen.append((by_slots, by_count))
+    original(schedule)
+  monkeypatch.setattr(realize, "plan_schedule_memory", check)
+  rng = np.random.default_rng(22)
+
+  def build(x: Tensor, keep: bool) -> tuple[Tensor, Tensor | None]:
+    first = (x * 2).contiguous()
+    second = (first.exp2() + x).contiguous()
+    return second.sum(axis=1) * 3, (first if keep else None)
+  for keep in (False, False, True, False, True, False):
+    x = Tensor(rng.standard_normal((8, 8)).astype(np.float32)).realize()
+    out, kept = build(x, keep)
+    out.realize()
+    expected = (np.exp2(x.numpy() * 2) + x.numpy()).sum(axis=1) * 3
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5)
+    del kept
+  assert len(seen) >= 3 and all(by_slots == by_count for by_slots, by_count in seen)
+  assert len({len(by_slots) for by_slots, _ in seen}) == 2   # (a kept intermediate is one internal buffer less)

@@ -23,11 +23,13 @@ Python time into phases:
            the tuple) or, where the trace cannot describe the realize, the graph walk (schedule_cache._structure)
   lookup   the rest of scheduling: the comparison with the last traced entry, else the hash and the cache lookup,
            snapshots and packing (or scheduling a miss)
-  replay   rebinding a cached schedule to this graph's buffers (schedule_cache._replay: fresh buffers, ScheduleItems)
+  replay   rebinding a cached schedule to this graph's buffers (schedule_cache._replay: fresh buffers, ScheduleItems;
+           a one-kernel replay's schedule_cache._launch_replay, less its launch)
   memory   the memory plan (realize.plan_schedule_memory: a recorded plan replayed on a hit)
   lower    lowering ScheduleItems to ExecItems (compiled-kernel cache lookups) and the compile note
   rebind   a captured schedule's argument check (capture._rebind: each argument compared with the graph's)
-  launch   ExecItem.run or a replayed item's launcher (realize.launch_replayed): passing the arguments and the
+  launch   ExecItem.run or a replayed item's launcher (realize.launch_replayed, realize.launch_one: from the schedule
+           cache for a one-kernel replay, docs/jit.md): passing the arguments and the
            ctypes/driver call (the kernel itself excluded on the CPU), and a captured schedule's graph launch
            (engine/capture.py run_captured; EAGER_CAPTURE=0 launches item by item)
   other    the rest of realize (locks, the per-device split, freeing the last call's buffers)
@@ -75,12 +77,14 @@ PHASE_FUNCTIONS = {
   "key": [("ourgrad/engine/schedule_cache.py", "_structure"),
           ("ourgrad/engine/schedule_cache.py", "_trace_tokens")],
   "schedule": [("ourgrad/engine/schedule_cache.py", "schedule")],
-  "replay": [("ourgrad/engine/schedule_cache.py", "_replay")],
+  "replay": [("ourgrad/engine/schedule_cache.py", "_replay"), ("ourgrad/engine/schedule_cache.py", "_launch_replay")],
+  # a one-kernel replay's launch, made inside the schedule cache (inside schedule and _launch_replay)
+  "launch_one": [("ourgrad/engine/realize.py", "launch_one")],
   "memory": [("ourgrad/engine/realize.py", "plan_schedule_memory")],
   "lower": [("ourgrad/engine/realize.py", "lower_schedule_item"), ("ourgrad/engine/realize.py", "note_compiles")],
   "rebind": [("ourgrad/engine/capture.py", "_rebind")],
   "launch": [("ourgrad/engine/exec_item.py", "run"), ("ourgrad/engine/capture.py", "run_captured"),
-             ("ourgrad/engine/realize.py", "launch_replayed")],
+             ("ourgrad/engine/realize.py", "launch_replayed"), ("ourgrad/engine/realize.py", "launch_one")],
 }
 PHASES = ("graph", "autograd", "describe", "key", "lookup", "replay", "memory", "lower", "rebind", "launch", "other")
 
@@ -134,9 +138,11 @@ def phase_seconds(profile: cProfile.Profile, total: float) -> dict[str, float]:
          for phase, functions in PHASE_FUNCTIONS.items()}
   # (describe runs inside the key's functions, _replay and the key inside schedule, _rebind inside run_captured)
   phases = {"autograd": raw["autograd"], "describe": raw["describe"], "key": raw["key"] - raw["describe"],
-            "lookup": raw["schedule"] - raw["key"] - raw["replay"], "replay": raw["replay"], "memory": raw["memory"],
-            "lower": raw["lower"], "rebind": raw["rebind"], "launch": raw["launch"] - raw["rebind"]}
-  ran = raw["schedule"] + raw["memory"] + raw["lower"] + raw["launch"]
+            "lookup": raw["schedule"] - raw["key"] - raw["replay"], "replay": raw["replay"] - raw["launch_one"],
+            "memory": raw["memory"], "lower": raw["lower"], "rebind": raw["rebind"],
+            "launch": raw["launch"] - raw["rebind"]}
+  # (launch_one runs inside schedule: counted once)
+  ran = raw["schedule"] + raw["memory"] + raw["lower"] + raw["launch"] - raw["launch_one"]
   phases["other"] = max(0.0, raw["realize"] - ran)
   phases["graph"] = max(0.0, total - raw["autograd"] - raw["realize"])
   return phases

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import sysconfig
+from sys import getrefcount
 from collections import Counter, defaultdict
 from typing import Any, Callable, Sequence
 
@@ -170,27 +171,49 @@ def _calibrate() -> int | None:
 _COUNTING_REFERENCES = _calibrate()
 
 
-def _extra_references(values: Sequence[Any], ordinals: Sequence[int], slots: Sequence[int]) -> list[int]:
-  """Per ordinal, the reference count of `values[ordinal]` less its `slots` (the slots known to hold it)."""
-  extra = []
-  for ordinal, count in zip(ordinals, slots):
-    value = values[ordinal]
-    extra.append(sys.getrefcount(value) - count)
-  return extra
+class PoolMemory:
+  """What planning the memory of a replayed cached schedule needs to know of its pool of distinct buffers
+  (schedule_item.ReplayedSchedule), taken once per cached schedule: every replay builds its items from a pool of the
+  same layout by the same slots. `written`: the slots some item writes, ascending (the only ones the planner may
+  share); `holders`: per written slot, the item slots holding it plus one (the pool); `plans`: the memory plans
+  recorded for this schedule (RecordedPlan, numbered by slot), by the tuple of slots they share."""
+  __slots__ = ("items", "written", "holders", "plans")
+
+  def __init__(self, output_slots: Sequence[Sequence[int]], input_slots: Sequence[Sequence[int]]):
+    self.items = len(output_slots)
+    counts = Counter(slot for slots in (*output_slots, *input_slots) for slot in slots)
+    self.written = sorted({slot for slots in output_slots for slot in slots})
+    self.holders = [counts[slot] + 1 for slot in self.written]
+    self.plans: dict[tuple[int, ...], RecordedPlan] = {}
+
+  def internal_slots(self, pool: Sequence[Buffer]) -> tuple[int, ...] | None:
+    """The written slots whose buffer nothing but the items and the pool holds (no LazyBuffer, no Tensor, no user
+    variable: no one can read it after the items ran) and that has no memory yet: what planning may share, as
+    held_only_by_items tells for any schedule, from the written slots' reference counts alone. None where reference
+    counts cannot tell."""
+    if _POOL_COUNTING is None: return None
+    return self._unheld(pool, _POOL_COUNTING)
+
+  def _unheld(self, pool: Sequence[Buffer], counting: int) -> tuple[int, ...]:
+    # (a list comprehension: a generator would be resumed once per slot)
+    return tuple([slot for slot, holders in zip(self.written, self.holders)
+                  if getrefcount(pool[slot]) - holders == counting and pool[slot]._handle is None])
 
 
-# what _extra_references reports for an object that nothing but its one slot holds (its own counting references,
-# measured on a probe as _calibrate does for _references_beyond_slots)
-_UNHELD_EXTRA = None if _COUNTING_REFERENCES is None else _extra_references([object()], [0], [1])[0]
+class _Unallocated:
+  _handle = None
 
 
-def unheld_buffers(buffers: Sequence[Buffer], ordinals: Sequence[int], slots: Sequence[int]) -> list[int] | None:
-  """The `ordinals` (ascending positions in `buffers`) whose buffer nothing but its `slots` holds (the slots of the
-  items that hold it, plus one for `buffers` itself): held_only_by_items for a layout known in advance (a replayed
-  schedule), without counting every item's slots again. None where reference counts cannot tell."""
-  if _UNHELD_EXTRA is None: return None
-  return [ordinal for ordinal, extra in zip(ordinals, _extra_references(buffers, ordinals, slots))
-          if extra == _UNHELD_EXTRA]
+def _calibrate_pool() -> int | None:
+  """What PoolMemory._unheld's count gives for a buffer that nothing but its item slot and the pool hold (its own
+  references: getrefcount's argument), found by asking it of a probe; None where reference counts do not tell."""
+  if _COUNTING_REFERENCES is None: return None
+  pool = [_Unallocated()]
+  item = (pool[0],)   # (the probe held by one item slot and the pool, as a replay's internal buffer is)
+  memory = PoolMemory([(0,)], [])
+  found = [counting for counting in range(-2, 8) if memory._unheld(pool, counting) == (0,)]
+  del item
+  return found[0] if len(found) == 1 else None
 
 
 def held_only_by_items(containers: Sequence[Sequence[Buffer]]) -> set[int]:
@@ -200,3 +223,6 @@ def held_only_by_items(containers: Sequence[Sequence[Buffer]]) -> set[int]:
   count's own references are measured once, on a probe). Empty where counts cannot tell: nothing is planned."""
   if _COUNTING_REFERENCES is None: return set()
   return {key for key, extra in _references_beyond_slots(containers).items() if extra == _COUNTING_REFERENCES}
+
+
+_POOL_COUNTING = _calibrate_pool()

@@ -23,9 +23,10 @@ from ourgrad.dtype import dtypes
 from ourgrad.engine.capture import run_captured
 from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner, is_capturing, jit_recording, \
   quiet_launches  # noqa: F401 (re-exported)
-from ourgrad.engine.memory import RecordedPlan, held_only_by_items, plan_memory, unheld_buffers
+from ourgrad.engine.memory import RecordedPlan, held_only_by_items, plan_memory
 from ourgrad.engine.profile import host_phase
 from ourgrad.engine.schedule import ALWAYS_REALIZED_OPS, ScheduleItem
+from ourgrad.engine.schedule_item import ReplayedSchedule
 from ourgrad import lazy_trace
 from ourgrad.lazy import LazyBuffer
 from ourgrad.errors import CompileError, DeviceError
@@ -216,9 +217,12 @@ def lower_schedule_item(item: ScheduleItem, reuse: bool = False) -> ExecItem:
   else:
     ast, var_vals, block_counters = _lowering_facts(item.ast)
     runner = get_runner(device, ast)
-    if memo is not None:   # (the generation after get_runner, whose insert may have evicted another kernel)
+    # (the generation after get_runner, whose insert may have evicted another kernel; a cache without one keeps no
+    # lowering: run_schedule's quiet path reads the generation of the cache a memo came from)
+    generation = getattr(_runner_cache, "generation", None)
+    if memo is not None and generation is not None:
       memo.runner, memo.var_vals, memo.block_counters = runner, var_vals, block_counters
-      memo.source, memo.generation, memo.idle = _runner_cache, getattr(_runner_cache, "generation", None), []
+      memo.source, memo.generation, memo.idle = _runner_cache, generation, []
       # (a kernel with bound Variables or block counters takes more than the item's buffers: an ExecItem runs it)
       memo.launch = runner.launcher() if not var_vals and not block_counters else None
   if block_counters: buffers.append(split_counters(device, runner))
@@ -255,102 +259,41 @@ def lower_schedule(schedule: list[ScheduleItem]) -> list[ExecItem]:
 
 def plan_schedule_memory(schedule: list[ScheduleItem]) -> None:
   """Let the schedule's internal buffers (ones that only its items hold and that are not allocated yet) share
-  memory where their lifetimes do not overlap. A replayed schedule (every item kept by the schedule cache) plans once
-  per set of internal buffers and replays that plan (memory.RecordedPlan) at its later realizes, found through the
-  layout of its buffers (_BufferLayout) without counting every item's buffers again."""
+  memory where their lifetimes do not overlap. A replayed schedule (schedule_item.ReplayedSchedule: its items as the
+  cache keeps them) plans once per set of internal buffers and replays that plan (memory.RecordedPlan) at its later
+  realizes, found by the slots of its pool of buffers (memory.PoolMemory) without counting every item's buffers."""
   if len(schedule) < 3 or NO_MEMORY_PLANNER: return
   plans = _recorded_plans(schedule)
   if plans is not None and _replay_recorded_plan(schedule, plans): return
   containers = [container for item in schedule for container in (item.outputs, item.inputs)]
+  # (a replayed schedule's pool holds each of its buffers too)
+  if type(schedule) is ReplayedSchedule: containers.append(schedule.pool)
   internal = held_only_by_items(containers)
   if len(internal) < 2: return
   internal = {id(buffer) for item in schedule for buffer in item.outputs if id(buffer) in internal
               and not buffer.is_allocated}
   buffer_lists = [item.outputs + item.inputs for item in schedule]
-  if plans is None:
-    plan_memory(buffer_lists, lambda buffer: id(buffer) in internal)
-    return
-  # the distinct buffers in first-use order: a replay of the same schedule has the same pattern of them
-  ordinal: dict[int, int] = {}
-  buffers: list[Buffer] = []
-  for buffer_list in buffer_lists:
-    for buffer in buffer_list:
-      if id(buffer) not in ordinal:
-        ordinal[id(buffer)] = len(buffers)
-        buffers.append(buffer)
-  schedule[0].lowering.memory_layout = _BufferLayout.of(schedule)
-  pattern = tuple(ordinal[key] for key in ordinal if key in internal)
-  recorded = plans.get(pattern)
-  if recorded is not None:
-    recorded.apply(buffers)
-    return
   assigned = plan_memory(buffer_lists, lambda buffer: id(buffer) in internal)
+  if plans is None: return
+  # recorded by pool slot: a later replay's pool has the same slots (the set found again by PoolMemory.internal_slots)
+  pool: list[Buffer] = schedule.pool   # type: ignore[attr-defined]
+  slot_of = {id(buffer): slot for slot, buffer in enumerate(pool)}
+  pattern = tuple(sorted(slot_of[key] for key in internal))
   if len(plans) >= RECORDED_PLANS_PER_SCHEDULE: plans.clear()
-  plans[pattern] = RecordedPlan.of(ordinal, assigned, "schedule")
-
-
-class _BufferLayout:
-  """Where a replayed schedule's distinct buffers are, in first-use order (their ordinals, as RecordedPlan numbers
-  them): every replay of one cached schedule (the same LoweringMemos in the same order) reads and writes the same
-  pattern of buffers (schedule_cache._replay builds each item from one pool of distinct buffers by fixed slots), so
-  the ordinals, which of them an item writes, and how many item slots hold each are taken once."""
-  __slots__ = ("memos", "places", "written", "slots")
-
-  def __init__(self, memos: tuple[Any, ...], places: list[tuple[int, bool, int]], written: list[int],
-               slots: list[int]):
-    self.memos = memos        # each item's LoweringMemo: the schedule this layout is of
-    self.places = places      # per ordinal: (item index, in its outputs (else inputs), index there) of its first use
-    self.written = written    # the ordinals some item writes, ascending (the only ones the planner may share)
-    self.slots = slots        # per written ordinal: the item slots holding it, plus one (the list of buffers)
-
-  @staticmethod
-  def of(schedule: list[ScheduleItem]) -> _BufferLayout:
-    ordinal: dict[int, int] = {}
-    places: list[tuple[int, bool, int]] = []
-    counts: list[int] = []
-    written: set[int] = set()
-    for index, item in enumerate(schedule):
-      for is_output, buffers in ((True, item.outputs), (False, item.inputs)):
-        for position, buffer in enumerate(buffers):
-          number = ordinal.get(id(buffer))
-          if number is None:
-            number = ordinal[id(buffer)] = len(places)
-            places.append((index, is_output, position))
-            counts.append(0)
-          counts[number] += 1
-          if is_output: written.add(number)
-    ordered = sorted(written)
-    return _BufferLayout(tuple(item.lowering for item in schedule), places, ordered,
-                         [counts[number] + 1 for number in ordered])
-
-  def fits(self, schedule: list[ScheduleItem]) -> bool:
-    """Whether `schedule` is a replay of the schedule this layout was taken from."""
-    memos = self.memos
-    if len(memos) != len(schedule): return False
-    for item, memo in zip(schedule, memos):
-      if item.lowering is not memo: return False
-    return True
-
-  def buffers(self, schedule: list[ScheduleItem]) -> list[Buffer]:
-    """`schedule`'s distinct buffers in first-use order."""
-    return [schedule[index].outputs[position] if is_output else schedule[index].inputs[position]
-            for index, is_output, position in self.places]
+  plans[pattern] = RecordedPlan.of(slot_of, assigned, "schedule")
 
 
 def _replay_recorded_plan(schedule: list[ScheduleItem], plans: dict[tuple[int, ...], RecordedPlan]) -> bool:
-  """Plan a replayed schedule through its buffer layout: apply the plan recorded for its set of internal buffers
-  (the written ones not allocated yet that nothing but the items holds), or nothing where that set has fewer than
-  two. False where this cannot tell (no layout of this schedule yet, no plan recorded for the set): plan as usual."""
-  layout = schedule[0].lowering.memory_layout
-  if layout is None or not layout.fits(schedule): return False
-  buffers = layout.buffers(schedule)
-  unheld = unheld_buffers(buffers, layout.written, layout.slots)
-  if unheld is None: return False
-  pattern = tuple(ordinal for ordinal in unheld if buffers[ordinal]._handle is None)   # (is_allocated, no call)
+  """Plan a replayed schedule by the slots of its pool: apply the plan recorded for its set of internal buffers, or
+  nothing where that set has fewer than two. False where this cannot tell (reference counts do not tell, no plan
+  recorded for the set): plan as usual."""
+  pool: list[Buffer] = schedule.pool   # type: ignore[attr-defined]
+  pattern = schedule.memory.internal_slots(pool)   # type: ignore[attr-defined]
+  if pattern is None: return False
   if len(pattern) < 2: return True   # (as planning: fewer than two internal buffers share nothing)
   recorded = plans.get(pattern)
   if recorded is None: return False
-  recorded.apply(buffers)
+  recorded.apply(pool)
   return True
 
 
@@ -360,12 +303,11 @@ RECORDED_PLANS_PER_SCHEDULE = 4
 
 
 def _recorded_plans(schedule: list[ScheduleItem]) -> dict[tuple[int, ...], RecordedPlan] | None:
-  """The plans a replayed schedule recorded (kept on its first item's LoweringMemo), or None for a schedule that is
-  not one (an item the cache does not keep: a snapshot or a packed kernel, whose structure may change per call)."""
-  memo = schedule[0].lowering
-  if memo is None or any(item.lowering is None for item in schedule): return None
-  if memo.memory_plans is None: memo.memory_plans = {}
-  return memo.memory_plans
+  """The plans a replayed schedule recorded (its cached schedule's PoolMemory.plans), or None for a schedule that is
+  not one as the cache keeps it (planned as usual, nothing recorded): a miss's, or a replay that copy-on-write
+  snapshots lengthened or kernel packing rebuilt."""
+  if type(schedule) is not ReplayedSchedule or len(schedule) != schedule.memory.items: return None
+  return schedule.memory.plans
 
 
 COMPILE_NOTE = env_var("COMPILE_NOTE", -1, "-1: before a schedule that compiles at least 8 new kernels (a first "
@@ -408,28 +350,41 @@ def launch_replayed(item: ScheduleItem, memo: Any) -> None:
   GlobalCounters.global_mem += runner.byte_count
 
 
-def _launch_if_replayed(item: ScheduleItem, generation: Any) -> bool:
-  """Launch `item` through its memo's launcher if it is a replayed item lowered in this cache `generation` (None: not
-  now: run_schedule's quiet path), counted as ExecItem.run counts; whether it did."""
-  memo = item.lowering
-  if generation is None or memo is None or memo.launch is None or memo.generation != generation or \
-      memo.source is not _runner_cache:
+def launch_one(memo: Any, buffers: list[Buffer]) -> bool:
+  """Launch a replayed one-kernel schedule's kernel (schedule_cache.schedule's `launch_one`) through its memo's
+  launcher on `buffers` (outputs, then inputs), as run_schedule's quiet path would; False where that path would not
+  take it: not lowered from the compiled-kernel cache in use, a launch that prints or is timed, a JIT recording."""
+  launch = memo.launch
+  if launch is None or memo.source is not _runner_cache or memo.generation != _runner_cache.generation or \
+      is_capturing() or not quiet_launches():
     return False
-  launch_replayed(item, memo)
+  launch(buffers)
+  runner = memo.runner
+  GlobalCounters.kernel_count += 1
+  GlobalCounters.global_ops += runner.op_count
+  GlobalCounters.global_mem += runner.byte_count
   return True
 
 
 def run_schedule(schedule: list[ScheduleItem]) -> None:
   """Plan memory, lower and launch every item in order (counting kernels, ops and bytes in GlobalCounters)."""
+  if not schedule: return
+  if len(schedule) == 1:
+    # one kernel (a small eager realize): nothing to plan, no note, no graph. A replayed item lowered before, while
+    # nothing prints, times or records launches, is launched through its memo's launcher (ExecItem.run's fast path,
+    # without an ExecItem): valid while the compiled-kernel cache it was lowered from is the one in use and has dropped
+    # nothing since (a memo is only filled from a cache with a generation)
+    memo = schedule[0].lowering
+    if memo is not None and memo.launch is not None and memo.source is _runner_cache and \
+        memo.generation == _runner_cache.generation and not is_capturing() and quiet_launches():
+      launch_replayed(schedule[0], memo)
+      return
   capturing = is_capturing()   # a capturing JIT keeps the items it sees: each one its own
   # a replayed item lowered before, launched while nothing prints, times or records launches: its memo's launcher
   # called with its buffers (what ExecItem.run's fast path does, without an ExecItem). A cache without a generation
   # (as a test may swap in) keeps no lowering
   generation = getattr(_runner_cache, "generation", None) if not capturing and quiet_launches() else None
-  if len(schedule) == 1:
-    # one kernel (a small eager realize): nothing to plan, no note, no graph; replayed, it skips the loop's setup too
-    if _launch_if_replayed(schedule[0], generation): return
-  elif len(schedule) > 1:
+  if len(schedule) > 1:
     note_compiles(schedule)
     plan_schedule_memory(schedule)
     # a cached schedule realized again and again runs as one graph (engine/capture.py; one kernel: one launch already)
@@ -440,7 +395,11 @@ def run_schedule(schedule: list[ScheduleItem]) -> None:
   misses = _runner_misses[0]
   for index, item in enumerate(schedule):
     if ahead is not None: ahead.ready(index)
-    if _launch_if_replayed(item, generation): continue
+    memo = item.lowering
+    if generation is not None and memo is not None and memo.launch is not None and memo.generation == generation \
+        and memo.source is _runner_cache:
+      launch_replayed(item, memo)
+      continue
     if capturing: lower_schedule_item(item).run()
     else:
       exec_item = lower_schedule_item(item, reuse=True)

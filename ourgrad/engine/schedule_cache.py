@@ -19,14 +19,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ourgrad import lazy_trace
 from ourgrad.lazy_trace import PLAIN_ARG_TYPES, hashable_arg
 from ourgrad.device import Buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
-from ourgrad.engine.schedule_item import LoweringMemo, replayed_item
+from ourgrad.engine.memory import PoolMemory
+from ourgrad.engine.schedule_item import LoweringMemo, ReplayedSchedule, replayed_item
 from ourgrad.helpers import (ELEMENT_REDUCES, GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, RIDE_ALONG,
                              ROW_KERNELS, SPLIT_LAST_BLOCK, EnvSnapshot, env_var, register_cache_clearer, tf32_allowed)
 from ourgrad.lazy import LazyBuffer
@@ -85,6 +86,20 @@ class CachedSchedule:
   lowerings: list[LoweringMemo] = field(default_factory=list)
   assigns: list[int] = field(default_factory=list)   # walked bases that are ASSIGNs (copy-on-write at each replay)
   key: _Key | None = None           # the key it is stored under
+  # per item (ast, output slots, input slots, lowering): what a replay builds each ScheduleItem from, in one tuple
+  items: list[tuple[Any, tuple[int, ...], tuple[int, ...], LoweringMemo]] = field(init=False, repr=False)
+
+  # whether a replay is one kernel on fresh buffers and leaves (no assign, no shared or scratch buffer): what
+  # _launch_replay launches without a ScheduleItem
+  one_kernel: bool = field(init=False, repr=False)
+  memory: PoolMemory = field(init=False, repr=False)   # its pool's written slots and recorded memory plans
+
+  def __post_init__(self) -> None:
+    if len(self.lowerings) != len(self.asts): self.lowerings = [LoweringMemo() for _ in self.asts]
+    self.items = list(zip(self.asts, self.output_slots, self.input_slots, self.lowerings))
+    self.memory = PoolMemory(self.output_slots, self.input_slots)
+    self.one_kernel = len(self.asts) == 1 and self.asts[0].op is not Ops.COPY and not self.assigns and \
+      not self.shared and not self.scratch
 
 
 _cache: OrderedDict[_Key, CachedSchedule] = OrderedDict()
@@ -179,10 +194,16 @@ def _structure(outs: Sequence[LazyBuffer]) -> tuple[tuple, list[LazyBuffer], lis
 _INLINE = "inline constant"
 
 
-def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
+# launch_one(lowering, buffers) -> bool: launch a replayed one-kernel schedule's kernel through its lowering on these
+# buffers (outputs, then inputs), or refuse (False: then it is scheduled as usual and the caller runs it)
+LaunchOne = Callable[[LoweringMemo, list[Buffer]], bool]
+
+
+def schedule(outs: Sequence[LazyBuffer], launch_one: LaunchOne | None = None) -> list[ScheduleItem]:
   """create_schedule(outs), from the cache where a graph of the same structure was scheduled before: found by the
   creation trace of the graph (lazy_trace.py: no graph walk) where the whole graph was made since the last schedule,
-  else by the graph walk (_structure)."""
+  else by the graph walk (_structure). With `launch_one` (engine/realize.py's, passed by a realize that runs the
+  schedule at once), a traced replay of one kernel is launched here and [] returned: no ScheduleItem is made."""
   if len(outs) == 1:   # (most realizes: no list made)
     if (outs[0]._base or outs[0]).realized is not None: return []
   else:
@@ -192,13 +213,13 @@ def schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
     # made a realize of new work beside earlier results (a model realizing its state as it goes) walk its whole graph
     if len(pending) < len(outs): outs = pending
   try:
-    return _schedule(outs)
+    return _schedule(outs, launch_one)
   finally:
     # the bases scheduling made (staged operands, snapshots) are no part of what the caller builds next
     lazy_trace.invalidate()
 
 
-def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
+def _schedule(outs: Sequence[LazyBuffer], launch_one: LaunchOne | None) -> list[ScheduleItem]:
   # (the trace is this frame's alone: it holds every base made since the last schedule, and is let go of below before
   # the copy-on-write decisions, which must see only the readers someone else holds)
   # the scheduler's functions are looked up at each call, so tools that wrap them (benchmarks, tests) see misses
@@ -210,8 +231,9 @@ def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
   trace_tokens = _trace_tokens(trace, outs, (settings, tf32)) if trace is not None and settings[1] else None
   trace_key: _Key | None = None
   if trace_tokens is not None:
-    # the schedule the last traced realize found first (a loop realizes one graph again and again): compared in C,
-    # no hash and no lookup; equal tokens are equal keys, so it is the entry a lookup would find
+    # the schedule the last traced realize found or stored first (a loop realizes one graph again and again): compared
+    # in C, no hash and no lookup; equal tokens are equal keys, so it is the entry a lookup would find, and the most
+    # recently used of _traced already (each lookup's hit and each insert becomes the last one)
     traced = _last_traced[0]
     if traced is None or traced.key.tokens != trace_tokens:
       # hashed by its length and outputs only (hashing every token calls each view's and dtype's Python __hash__;
@@ -219,15 +241,18 @@ def _schedule(outs: Sequence[LazyBuffer]) -> list[ScheduleItem]:
       # which a hit does once anyway
       trace_key = _Key(trace_tokens, hash((len(trace_tokens[0]), trace_tokens[1])))
       traced = _traced.get(trace_key)
-      if traced is not None: _last_traced[0] = traced
+      if traced is not None:
+        _traced.move_to_end(traced.key)
+        _last_traced[0] = traced
     if traced is not None:
-      _traced.move_to_end(traced.key)
       stats.hits += 1
       stats.traced_hits += 1
       bases, leaves = trace.bases, trace.leaves
       del trace
-      if not traced.assigns: return _replay(traced, bases, leaves)
-      assigns = [(bases[index], bases[index].srcs[1].base) for index in traced.assigns]
+      if not traced.assigns:
+        if launch_one is not None and traced.one_kernel and _launch_replay(traced, bases, leaves, launch_one): return []
+        return _replay(traced, bases, leaves)
+      assigns = [(assign, assign.srcs[1]._base or assign.srcs[1]) for assign in map(bases.__getitem__, traced.assigns)]
       items = _replay(traced, bases, leaves)
       del bases, leaves   # (see below)
       return scheduler.protect_and_pack(items, assigns)
@@ -270,14 +295,17 @@ def _trace_tokens(trace: lazy_trace.Trace, outs: Sequence[LazyBuffer], settings:
   output is not an unrealized base of the trace (a constant, made before it) or the trace is inconsistent."""
   references: list[Any] = []
   bases = trace.bases
+  count = len(bases)
+  if not count: return None
   for out in outs:
     base = out._base or out
-    index = base._trace_index   # (Trace.position without the call: a base of this trace is at its position)
-    if not (0 <= index < len(bases) and bases[index] is base) or base.realized is not None: return None
-    references.append(index)
-    references.append(out.st)
-  if not lazy_trace.describe(trace): return None
-  return (tuple(trace.tokens), tuple(references), settings)
+    # (Trace.position without the call: a base of this trace is at its position; an index is -1 or a position, and
+    # -1 reads the last base, which describe checks holds its own position: lazy_trace.describe)
+    index = base._trace_index
+    if index >= count or bases[index] is not base or base.realized is not None: return None
+    references += (index, out.st)
+  tokens = lazy_trace.describe(trace)
+  return None if tokens is None else (tokens, tuple(references), settings)
 
 
 def _in_trace_terms(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer],
@@ -286,7 +314,7 @@ def _in_trace_terms(cached: CachedSchedule, bases: list[LazyBuffer], leaves: lis
   its slots in a pool of the trace's leaves (all it read, in first-read order), then the same fresh and scratch
   buffers; its items keep the same lowerings. None if a walked base or leaf is not in the trace."""
   position = [trace.position(base) for base in bases]
-  leaf_position = [trace.leaf_index.get(id(buffer), -1) for buffer in leaves]
+  leaf_position = [trace.leaf_index.get(buffer, -1) for buffer in leaves]
   if -1 in position or -1 in leaf_position: return None
   walk_leaves, trace_leaves = len(leaves), len(trace.leaves)
 
@@ -347,6 +375,24 @@ def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buf
                         [LoweringMemo() for _ in items], assigns)
 
 
+def _launch_replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer],
+                   launch_one: LaunchOne) -> bool:
+  """Replay a one-kernel schedule (CachedSchedule.one_kernel) by launching its kernel on this graph's buffers, as
+  _replay and run_schedule would (the same buffers given to the same bases, the same sources dropped), without a
+  ScheduleItem; False where `launch_one` refuses (not lowered yet, a launch that prints or is timed, a JIT
+  recording): nothing was launched, and _replay gives the bases other buffers."""
+  _, output_slots, input_slots, lowering = cached.items[0]
+  pool = list(leaves)
+  append = pool.append
+  for index, device, size, dtype in cached.fresh:
+    buffer = bases[index].realized = Buffer(device, size, dtype)
+    append(buffer)
+  take = pool.__getitem__
+  if not launch_one(lowering, [*map(take, output_slots), *map(take, input_slots)]): return False
+  for index in cached.cleared: bases[index].srcs = ()
+  return True
+
+
 def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer]) -> list[ScheduleItem]:
   pool = list(leaves)
   append = pool.append
@@ -355,11 +401,14 @@ def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer
     append(buffer)
   # an assign writes a leaf's buffer, or the buffer of an earlier assign of this graph (a chain), a packed attention
   # dK/dV op the dQ op's: all in the pool
-  for index, slot in cached.shared: bases[index].realized = pool[slot]
-  for device, size, dtype in cached.scratch: append(Buffer(device, size, dtype))
-  take = pool.__getitem__
-  items = [replayed_item(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
-           for ast, outputs, inputs, lowering in zip(cached.asts, cached.output_slots, cached.input_slots,
-                                                     cached.lowerings)]
+  if cached.shared:
+    for index, slot in cached.shared: bases[index].realized = pool[slot]
+  if cached.scratch:
+    for device, size, dtype in cached.scratch: append(Buffer(device, size, dtype))
   for index in cached.cleared: bases[index].srcs = ()
+  take = pool.__getitem__
+  # (a list comprehension: a generator would be resumed once per item)
+  items = ReplayedSchedule([replayed_item(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
+                            for ast, outputs, inputs, lowering in cached.items])
+  items.pool, items.memory = pool, cached.memory
   return items

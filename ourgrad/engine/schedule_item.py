@@ -13,6 +13,15 @@ from ourgrad.device import Buffer
 from ourgrad.ops import LazyOp
 
 
+class ReplayedSchedule(list):
+  """The items of a replayed cached schedule (engine/schedule_cache.py `_replay`), a list of ScheduleItems like any
+  schedule, with the pool they were built from (`pool`: the distinct buffers by slot: the graph's leaves, then the
+  fresh buffers, then the scratch ones) and `memory`, the cached schedule's facts about that pool (memory.PoolMemory:
+  which slots the items write, how many item slots hold each, the memory plans recorded by slot), so that planning a
+  replay's memory (engine/realize.py) reads the pool by slot instead of scanning the items."""
+  __slots__ = ("pool", "memory")
+
+
 class LoweringMemo:
   """What lowering an item's AST gave (engine/realize.py: the runner, the bound Variables' values, whether it needs
   block counters), kept by the schedule cache for the items it replays, so that a repeated realize lowers each kernel
@@ -22,10 +31,8 @@ class LoweringMemo:
   memory), held without buffers between runs. `launch`: the runner's launcher (CompiledRunner.launcher) for a kernel
 with no bound Variables and no block counters: a quiet replay calls it with the item's buffers, no ExecItem at all
 (engine/realize.py run_schedule). `capture`: on a schedule's first item, its capture state
-  (engine/capture.py: how often it was replayed, its device graph), its recorded memory plans and the layout of its
-  buffers they are looked up by (engine/realize.py)."""
-  __slots__ = ("runner", "var_vals", "block_counters", "source", "generation", "idle", "launch", "capture",
-               "memory_plans", "memory_layout")
+  (engine/capture.py: how often it was replayed, its device graph)."""
+  __slots__ = ("runner", "var_vals", "block_counters", "source", "generation", "idle", "launch", "capture")
 
   def __init__(self) -> None:
     self.runner: Any = None   # None: not lowered yet
@@ -36,8 +43,6 @@ with no bound Variables and no block counters: a quiet replay calls it with the 
     self.idle: list[Any] = []   # at most one ExecItem; a list, so that taking it (pop) is one atomic step
     self.launch: Any = None     # None: launched through an ExecItem (a copy, symbolic sizes, block counters)
     self.capture: Any = None
-    self.memory_plans: Any = None   # on a schedule's first item: its memory plans (engine/realize.py)
-    self.memory_layout: Any = None  # on a schedule's first item: where its distinct buffers are (realize.py)
 
 
 @dataclass(frozen=True)
