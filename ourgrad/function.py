@@ -253,11 +253,9 @@ class Relu(Function):
     return self.result
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    # the result is >= 0 or NaN: the gradient passes where it is not 0 (at NaN too), else it is +0.0 whatever the
-    # gradient (a select, as torch's threshold_backward: a product with the mask gave -0.0 for a negative gradient
-    # and NaN for an infinite one)
+    # the result is >= 0 or NaN: the gradient passes where it is not 0 (at NaN too, as in torch)
     passes = self.result.elementwise(CMPNE, self.result.operand_like(0))
-    return passes.elementwise(WHERE, grad_output, grad_output.operand_like(0))
+    return _mul(passes.cast(grad_output.dtype), grad_output)
 
 
 class Log(Function):
