@@ -26,11 +26,10 @@ handles every kernel, and a CUDA graph replays the step as one launch); `--symbo
 Variable instead (attention over the cached positions only, plain loop nests: slower on the CPU and the GPU today),
 `--no-jit` runs eager steps. The cache (`--max-context`) is sized to the need with --prompt/--prompts-file (the
 longest prompt plus --max-tokens, to a power of two: a fixed-shape step's attention reads all of it), 1024 tokens
-for a chat. After each reply stderr gets: time to first token (the prompt and the reply's first decode step, which
-runs before the first token shows: a first reply compiles and captures the step there) and the decode speed of every
-later token (nothing excluded), then the steady speed (from the median time between tokens). A batch (several
---prompt, or --prompts-file) answers each prompt in a fresh conversation, one after another (sequences are not
-decoded together), then prints the totals.
+for a chat. After each reply stderr gets: time to first token (the prompt, compiling included) and the decode speed
+of every later token (nothing excluded: the steps that compile and capture count), then the steady speed (from the
+median time between tokens). A batch (several --prompt, or --prompts-file) answers each prompt in a fresh
+conversation, one after another (sequences are not decoded together), then prints the totals.
 """
 from __future__ import annotations
 
@@ -86,8 +85,8 @@ class Ticker:
 
 @dataclass
 class ReplyStats:
-  """What one reply took: tokens generated, seconds to the first (the prefill and the first decode step), seconds of
-  the rest (decode), and the median seconds between two printed pieces of the rest (the steady pace)."""
+  """What one reply took: tokens generated, seconds to the first (prefill), seconds of the rest (decode), and the
+  median seconds between two printed pieces of the rest (the steady pace, without the steps that compile)."""
   tokens: int = 0
   first_token_s: float = 0.0
   decode_s: float = 0.0

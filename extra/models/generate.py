@@ -131,11 +131,10 @@ class ChatModel:
       assert next_token is not None
       return next_token
     try:
-      # the reply's first decode step runs before its first token is shown: a process's first reply runs the step
-      # eagerly and captures it there (~0.7 s of CPU for SmolLM2 on the 2-core CPU), not between the first token and
-      # the second, so the reply streams at the replayed steps' pace once it shows; later replies show their first
-      # token a step or two later (the streamed steps run one ahead), at the same pace
-      upcoming = advance(token) if max_tokens > 1 and token not in self.stop_ids else None
+      # the first token shows before the reply's first decode step runs: a process's first reply runs that step
+      # eagerly and captures it between its first and second tokens (~0.7 s of CPU for SmolLM2 on the 2-core CPU),
+      # which keeps the time to the first output short (issue 28: <= 5 s after start); running it before the first
+      # token made the rest of the first reply stream at the replayed pace but showed the first token later
       for produced in range(max_tokens):
         if token in self.stop_ids: return
         self.generated += 1
@@ -143,7 +142,7 @@ class ChatModel:
         if produced == max_tokens - 1:
           self.pending = [token]  # no forward pass for a token whose successor nobody asked for
           return
-        token, upcoming = (upcoming if upcoming is not None else advance(token)), None
+        token = advance(token)
     finally:
       if streamed is not None: streamed.close()   # its step queued ahead is read back (pinned slots returned)
 
