@@ -79,21 +79,27 @@ def test_gated_store_tests_its_row_mark_once(device: str, shape: tuple[int, ...]
   np.testing.assert_array_equal(cache.numpy(), np.where(mark_np, new_np * 2 + 1, cache_np))
 
 
-def test_kv_cache_write_skips_unmarked_rows():
-  """The decode step's form (a slot index compared with a position, then the row's values): the IF on the slot opens
-  right inside the slot loop, every other loop inside it, and the parallel loop is the slot loop alone."""
-  slots, heads, dim = 40, 6, 16
-  rng = np.random.default_rng(3)
+def _marked_cache_write(slots: int, heads: int, dim: int, seed: int, slot: int):
+  """A decode step's cache write (a slot index compared with a position, then the row's values times 3) on random
+  values: the cache tensor, its values before, the row, the schedule and its write kernel with the CLANG heuristics."""
+  rng = np.random.default_rng(seed)
   cache_np = rng.standard_normal((slots, heads, dim)).astype(np.float32)
   row_np = rng.standard_normal((1, heads, dim)).astype(np.float32)
   cache = Tensor(cache_np).contiguous().realize()
-  slot_ids, position = Tensor(np.arange(slots, dtype=np.int32)), Tensor(np.array([0, 17], np.int32))
+  slot_ids, position = Tensor(np.arange(slots, dtype=np.int32)), Tensor(np.array([0, slot], np.int32))
   mark = (slot_ids == position[1]).reshape(slots, 1, 1)
   cache.assign(mark.where(Tensor(row_np).expand(slots, heads, dim) * 3, cache))
   schedule = create_schedule([cache.lazydata])
   item = [item for item in schedule if item.ast.op is not Ops.COPY][-1]
   kernel = Kernel(item.ast, Device["CLANG"].renderer)
   kernel.hand_coded_optimizations()
+  return cache, cache_np, row_np, schedule, kernel
+
+
+def test_kv_cache_write_skips_unmarked_rows():
+  """The decode step's form (a slot index compared with a position, then the row's values): the IF on the slot opens
+  right inside the slot loop, every other loop inside it, and the parallel loop is the slot loop alone."""
+  cache, cache_np, row_np, schedule, kernel = _marked_cache_write(40, 6, 16, seed=3, slot=17)
   uops = linearize(kernel)
   ranges = [position for position, uop in enumerate(uops) if uop.op is UOps.RANGE]
   first_if = next(position for position, uop in enumerate(uops) if uop.op is UOps.IF)
@@ -145,17 +151,7 @@ def test_kv_cache_write_opens_no_parallel_region():
   counts once, not once per slot, so the kernel runs on the calling thread (a parallel region per block's write cost
   2.4% of a 2-thread SmolLM2 decode step); the same elementwise work ungated stays parallel. Results are numpy's."""
   slots, heads, dim = 520, 6, 64
-  rng = np.random.default_rng(5)
-  cache_np = rng.standard_normal((slots, heads, dim)).astype(np.float32)
-  row_np = rng.standard_normal((1, heads, dim)).astype(np.float32)
-  cache = Tensor(cache_np).contiguous().realize()
-  slot_ids, position = Tensor(np.arange(slots, dtype=np.int32)), Tensor(np.array([0, 300], np.int32))
-  mark = (slot_ids == position[1]).reshape(slots, 1, 1)
-  cache.assign(mark.where(Tensor(row_np).expand(slots, heads, dim) * 3, cache))
-  schedule = create_schedule([cache.lazydata])
-  item = [item for item in schedule if item.ast.op is not Ops.COPY][-1]
-  kernel = Kernel(item.ast, Device["CLANG"].renderer)
-  kernel.hand_coded_optimizations()
+  cache, cache_np, row_np, schedule, kernel = _marked_cache_write(slots, heads, dim, seed=5, slot=300)
   assert "omp parallel" not in Device["CLANG"].renderer.render("k", linearize(kernel))
   run_schedule(schedule)
   expected = cache_np.copy()
