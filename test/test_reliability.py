@@ -405,7 +405,7 @@ def test_disk_compile_cache_is_bounded(tmp_path, monkeypatch):
   deleted = prune_compile_cache(sizes[0] + sizes[3] + 1)
   assert deleted == sizes[1] + sizes[2]
   assert [compiler.cache_path(source).exists() for source in sources] == [True, False, False, True]
-  # the bound is also applied by writes themselves, every PRUNE_EVERY_WRITES of them
+  # the bound is also applied by writes themselves (a bound of 0: at each write; test_compile_cache_bound.py)
   monkeypatch.setattr(device_module, "PRUNE_EVERY_WRITES", 1)
   monkeypatch.setenv("COMPILE_CACHE_BYTES", "0")
   compiler.compile_cached("void k9(float* out) { out[0] = 9.0f; }")
