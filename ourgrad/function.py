@@ -69,38 +69,55 @@ class Function:
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
     ctx = _new_function(cls)
-    # _record_inputs written out (one frame less for every op built); the flags kept in a local too (each read of
-    # ctx's attribute below would be two more steps, on every op built). Not the device: a forward may set it (Shard)
-    ctx.device = tensors[0]._lazydata.device   # (Tensor.device without the property call)
+    # the inputs' values read by a Python call (_lazydata) and forward called with its arguments listed, where it can
+    # be (one input, or two without keywords: most ops): a property read through map, or a call with *args and
+    # **kwargs, re-enters the interpreter from C, which costs as much as the rest of this function. Whether a
+    # gradient is needed is decided first: the bookkeeping is written only for a Function that is kept
     count = len(tensors)
-    if count == 2: needs = [tensors[0].requires_grad, tensors[1].requires_grad]
-    elif count == 1: needs = [tensors[0].requires_grad]
-    else: needs = list(map(_requires_grad_of, tensors))
-    ctx.needs_input_grad = needs
-    ctx.requires_grad = requires = True if True in needs else None if None in needs else False
-    if requires:
-      ctx.parents, ctx.parent_ctxs, ctx.versions_seen = tensors, tuple(map(_ctx_of, tensors)), Storage.versions_made
-    # one input, or two without keywords (most ops): each input's value read by a Python call (_lazydata) and forward
-    # called with its arguments listed, where it can be: a property read through map, or a call with *args and
-    # **kwargs, re-enters the interpreter from C, which costs as much as the rest of this function
     if count == 1:
-      output = ctx.forward(_lazydata(tensors[0]), **kwargs) if kwargs else ctx.forward(_lazydata(tensors[0]))
-    elif count == 2 and not kwargs: output = ctx.forward(_lazydata(tensors[0]), _lazydata(tensors[1]))
-    else: output = ctx.forward(*map(_lazydata_of, tensors), **kwargs)
+      requires = tensors[0].requires_grad
+      if requires: _record(ctx, tensors, [True])
+      source = _lazydata(tensors[0])
+      output = ctx.forward(source, **kwargs) if kwargs else ctx.forward(source)
+    elif count == 2 and not kwargs:
+      first, second = tensors
+      first_needs, second_needs = first.requires_grad, second.requires_grad
+      if first_needs or second_needs:   # (True, None or False each: one of them True)
+        requires = True
+        _record(ctx, tensors, [first_needs, second_needs])
+      else: requires = None if first_needs is None or second_needs is None else False
+      source = _lazydata(first)
+      output = ctx.forward(source, _lazydata(second))
+    else:
+      needs = list(map(_requires_grad_of, tensors))
+      requires = True if True in needs else None if None in needs else False
+      if requires: _record(ctx, tensors, needs)
+      source = tensors[0]._lazydata
+      output = ctx.forward(*map(_lazydata_of, tensors), **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch; under no_grad() nothing
     # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
     # of silently doing nothing)
-    if requires is not False and (Tensor.no_grad or not output.dtype.is_float): ctx.requires_grad = requires = False
-    if type(output) is LazyBuffer and output.device == ctx.device:
+    if requires is not False and (Tensor.no_grad or not output.dtype.is_float): requires = False
+    if type(output) is LazyBuffer and output.device == source.device:
       # the result of nearly every op: a tensor around `output` as it is. Its four slots set here cost a fraction of
       # Tensor.__init__'s checks (none applies: one device, no dtype change, a gradient only for floats)
       result = _new_tensor(Tensor)
       result._lazydata, result.requires_grad, result.grad = output, requires, None
       result._ctx = ctx if requires else None
       return result
-    result = Tensor(output, device=ctx.device, requires_grad=requires)
+    # (a forward may have set the device: Shard)
+    result = Tensor(output, device=vars(ctx).get("device", source.device), requires_grad=requires)
     if requires: result._ctx = ctx
     return result
+
+
+def _record(ctx: Function, tensors: tuple[Tensor, ...], needs: list[bool | None]) -> None:
+  """The bookkeeping of a Function that is kept (an input needs a gradient), before its forward runs: the device, which
+  inputs need a gradient, and the inputs with the Functions they have now (an in-place write may give an input tensor
+  a new one later: assign); `versions_seen`: no in-place write since (the count unchanged at backward) means nothing
+  it saves can have gone stale."""
+  ctx.device, ctx.needs_input_grad, ctx.requires_grad = tensors[0]._lazydata.device, needs, True
+  ctx.parents, ctx.parent_ctxs, ctx.versions_seen = tensors, tuple(map(_ctx_of, tensors)), Storage.versions_made
 
 
 _new_function = _new_tensor = object.__new__
