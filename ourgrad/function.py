@@ -560,14 +560,17 @@ class Matmul(Function):
   reduce, y's put back with a permute (a view)."""
 
   def forward(self, x: LazyBuffer, y: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
-    self.x_shape, self.y_shape, self.shape = x.shape, y.shape, shape
+    self.x_shape = x.shape
     rank = len(y.shape)
     self.y_order = (*range(rank - 2), rank - 1, rank - 2)   # y's transpose (its own inverse)
-    x_rows = x.reshape(x.shape[:-1] + (1, x.shape[-1]))
     y_columns = y.permute(self.y_order)
     self.y_transposed_shape = y_columns.shape
-    y_columns = y_columns.reshape(y_columns.shape[:-2] + (1,) + y_columns.shape[-2:])
-    self.x_rows_shape, self.y_columns_shape = x_rows.shape, y_columns.shape
+    x_rows = x.reshape(x.shape[:-1] + (1, x.shape[-1]))
+    return self._product(x_rows, y_columns.reshape(y_columns.shape[:-2] + (1,) + y_columns.shape[-2:]), shape)
+
+  def _product(self, x_rows: LazyBuffer, y_columns: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
+    """x_rows (..., m, 1, k) times y_columns (..., 1, n, k), both broadcast to `shape`, summed over k: (..., m, n)."""
+    self.shape, self.x_rows_shape, self.y_columns_shape = shape, x_rows.shape, y_columns.shape
     self.x, self.y = _broadcast_to(x_rows, shape), _broadcast_to(y_columns, shape)
     return _mul(self.x, self.y).reduce(SUM, (len(shape) - 1,)).reshape(shape[:-1])
 
@@ -576,6 +579,12 @@ class Matmul(Function):
             if needed]
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    grad_x, grad_y = self._product_gradients(grad_output)
+    # (y's gradient in y's transpose's shape, put back with the transpose's own inverse)
+    return grad_x, grad_y.permute(self.y_order) if grad_y is not None else None
+
+  def _product_gradients(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    """The gradients of x (in x's shape) and of y_columns (in y's transpose's shape, (..., n, k)) of `_product`."""
     # the sum's gradient: the output's, broadcast over k
     grad = grad_output.reshape(self.shape[:-1] + (1,)).expand(self.shape)
     grad_x = grad_y = None
@@ -583,7 +592,6 @@ class Matmul(Function):
       grad_x = _sum_to_shape(_mul(self.y, grad), self.x_rows_shape).reshape(self.x_shape)
     if self.needs_input_grad[1]:
       grad_y = _sum_to_shape(_mul(self.x, grad), self.y_columns_shape).reshape(self.y_transposed_shape)
-      grad_y = grad_y.permute(self.y_order)
     return grad_x, grad_y
 
 
@@ -591,12 +599,16 @@ class Linear(Matmul):
   """x (..., k) @ weight (n, k).T [+ bias (n,)] -> (..., n), operands of one dtype: Tensor.linear's graph as one
   autograd node. The Tensor ops build weight.T (a Permute), x viewed as (rows, k) (a Reshape, where x has more than two
   dims), the Matmul, its result viewed back, and the bias broadcast (an Expand) and added: five nodes where this is
-  one, and its backward the graph their backward walk built, operation for operation (so the kernels are the same)."""
+  one, and its backward the graph their backward walk built, operation for operation (so the kernels are the same).
+  The weight is the Matmul's y transposed, which the Matmul transposes back: taken as it is (a permute of a permute is
+  the view itself), in the forward and the backward."""
 
   def forward(self, x: LazyBuffer, weight: LazyBuffer, *bias: LazyBuffer) -> LazyBuffer:   # type: ignore[override]
     self.input_shape, outputs = x.shape, weight.shape[0]
     rows = x.reshape((math.prod(x.shape[:-1]), x.shape[-1])) if len(x.shape) > 2 else x
-    product = super().forward(rows, weight.permute((1, 0)), (rows.shape[0], outputs, x.shape[-1]))
+    self.x_shape, self.y_transposed_shape = rows.shape, weight.shape
+    x_rows = rows.reshape((rows.shape[0], 1, rows.shape[1]))
+    product = self._product(x_rows, weight.reshape((1,) + weight.shape), (rows.shape[0], outputs, x.shape[-1]))
     product = product.reshape(x.shape[:-1] + (outputs,))
     self.bias_shape = bias[0].shape if bias else None
     return product.elementwise(ADD, _broadcast_to(bias[0], product.shape)) if bias else product
@@ -604,9 +616,8 @@ class Linear(Matmul):
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:   # type: ignore[override]
     grad_bias = None
     if self.bias_shape is not None and self.needs_input_grad[2]: grad_bias = _sum_to_shape(grad_output, self.bias_shape)
-    grad_x, grad_weight = super().backward(grad_output.reshape(self.shape[:-1]))
+    grad_x, grad_weight = self._product_gradients(grad_output.reshape(self.shape[:-1]))
     if grad_x is not None: grad_x = grad_x.reshape(self.input_shape)
-    if grad_weight is not None: grad_weight = grad_weight.permute((1, 0))
     return (grad_x, grad_weight) if self.bias_shape is None else (grad_x, grad_weight, grad_bias)
 
 

@@ -197,19 +197,23 @@ class ElementwiseMixin:
     float tensor keeps its dtype with any scalar). No Function is kept, so its bookkeeping, the scalar's Tensor and
     the broadcast's checks are left out. None where the general path must decide (another shape or dtype, a
     multi-device or non-float tensor, an operand that needs a gradient)."""
-    lazy = _lazydata(self)
-    if type(lazy) is not LazyBuffer or not lazy.dtype.is_float: return None
+    # (decided on the tensors' own buffers, whose shape, dtype and device every newer version shares: the newest
+    # versions are read only for an op that is built here)
+    mine = self._lazydata
+    if type(mine) is not LazyBuffer or not mine.dtype.is_float: return None
     if type(other) in _PY_SCALARS:
-      theirs = LazyBuffer.operand_constant(other, lazy.shape, lazy.dtype, lazy.device)
+      theirs = LazyBuffer.operand_constant(other, mine.shape, mine.dtype, mine.device)
       # (Function.apply's rule: the scalar's requires_grad is None, so the result's is None unless gradients are off
       # or it is no float)
       requires = None
     elif type(other) is type(self) and not (other_needs := other.requires_grad):
+      theirs = other._lazydata
+      if type(theirs) is not LazyBuffer or theirs.dtype is not mine.dtype or theirs.shape != mine.shape or \
+          theirs.device != mine.device: return None
       theirs = _lazydata(other)
-      if type(theirs) is not LazyBuffer or theirs.dtype is not lazy.dtype or theirs.shape != lazy.shape or \
-          theirs.device != lazy.device: return None
       requires = None if other_needs is None or self.requires_grad is None else False
     else: return None
+    lazy = _lazydata(self)
     ctx = _new_function(function)
     output = ctx.forward(theirs, lazy) if reverse else ctx.forward(lazy, theirs)
     result = _new_tensor(type(self))
