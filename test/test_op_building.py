@@ -1,6 +1,7 @@
-"""Ops built without a Function where nothing needs a gradient (tensor_math `_direct_operation`: a float tensor with
-a Python scalar or a tensor of its shape and dtype), and Function.apply's bookkeeping only for Functions it keeps:
-the values of numpy, the autograd state of the general path, and the very lazy graph it builds."""
+"""The cost of building one op, kept out of the results: ops built without a Function where nothing needs a gradient
+(tensor_math `_direct_operation`: a float tensor with a Python scalar or a tensor of its shape and dtype),
+Function.apply's bookkeeping only for Functions it keeps, Linear's weight taken without a transpose and back, reduce
+axes remembered. Checked against numpy, the autograd state of the general path, and the very lazy graph it builds."""
 from __future__ import annotations
 
 import operator
@@ -10,7 +11,7 @@ import pytest
 
 from ourgrad import Tensor, dtypes
 from ourgrad import function as F
-from ourgrad.errors import DeviceError, ShapeError
+from ourgrad.errors import AxisError, DeviceError, ShapeError
 from ourgrad.lazy import LazyBuffer
 
 _OPS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv}
@@ -112,3 +113,47 @@ def test_function_apply_writes_bookkeeping_only_for_kept_functions():
   assert exp._ctx.needs_input_grad == [True] and exp._ctx.requires_grad is True
   (product.sum() + exp.sum()).backward()
   np.testing.assert_allclose(w.grad.numpy(), _X + np.exp2(_Y) * np.log(2), rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape, bias", [((6, 8), False), ((6, 8), True), ((2, 3, 8), True)])
+def test_linear_node_gives_numpy_values_and_gradients(shape, bias):
+  rng = np.random.default_rng(0)
+  x_value, w_value, b_value = (rng.standard_normal(s).astype(np.float32) for s in (shape, (5, 8), (5,)))
+  x, w = Tensor(x_value, requires_grad=True), Tensor(w_value, requires_grad=True)
+  b = Tensor(b_value, requires_grad=True) if bias else None
+  out = x.linear(w, b)
+  assert type(out._ctx) is F.Linear
+  grad_value = rng.standard_normal(out.shape).astype(np.float32)
+  expected = x_value @ w_value.T + (b_value if bias else 0)
+  np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5)
+  out.backward(Tensor(grad_value))
+  rows, grad_rows = x_value.reshape(-1, 8), grad_value.reshape(-1, 5)
+  np.testing.assert_allclose(x.grad.numpy(), (grad_rows @ w_value).reshape(shape), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(w.grad.numpy(), grad_rows.T @ rows, rtol=1e-5, atol=1e-5)
+  if bias: np.testing.assert_allclose(b.grad.numpy(), grad_rows.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_node_builds_the_graph_of_the_tensor_ops():
+  """The weight is used as it is (no transpose and back): the forward graph and, for 2-D operands, each gradient's are
+  those of `x @ w.T` built op by op."""
+  def built(one_node: bool) -> list[tuple]:
+    rng = np.random.default_rng(1)
+    x = Tensor(rng.random((6, 8), np.float32), requires_grad=True).realize()
+    w = Tensor(rng.random((5, 8), np.float32), requires_grad=True).realize()
+    out = x.linear(w) if one_node else x.matmul(w.T)
+    out.backward(Tensor(rng.random(out.shape, np.float32)).realize())
+    return [_graph(out.lazydata), _graph(x.grad.lazydata), _graph(w.grad.lazydata)]
+  assert built(True) == built(False)
+
+
+def test_reduce_axes_are_remembered_by_type_and_raise_each_time():
+  x = Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+  for _ in range(2):   # errors are never remembered: raised again
+    with pytest.raises(AxisError): x.sum(2)
+    with pytest.raises(AxisError): x.sum((0, -2))
+    with pytest.raises(TypeError): x.sum(1.0)   # a float axis is its own key: never the answer for 1
+  np.testing.assert_array_equal(x.sum(1).numpy(), [3, 12])
+  np.testing.assert_array_equal(x.sum(np.int64(-1)).numpy(), [3, 12])
+  np.testing.assert_array_equal(x.mean([0, 1]).numpy(), 2.5)   # (a list: not hashable, not remembered)
+  np.testing.assert_array_equal(x.max((-1,), keepdim=True).numpy(), [[2], [5]])
+  assert Tensor(np.float32(3)).sum(0).shape == ()
