@@ -252,8 +252,13 @@ class ReduceMixin:
     if self.ndim == 0: return Tensor.zeros((), dtype=dtypes.int64, device=self.device)
     size = self.shape[dim]
     if size == 0: raise ShapeError(f"argmax of an empty dimension {dim} of shape {self.shape}")
-    is_max = self == self.max(dim, keepdim=True)
-    if self.dtype.is_float: is_max = is_max | (self.isnan() & self.isnan().any(dim, keepdim=True))
+    # an index has no gradient: built from the values alone, no op records a Function for the backward (the accuracy
+    # of a training step's logits)
+    x = self.detach() if self.requires_grad else self
+    is_max = x == x.max(dim, keepdim=True)
+    if x.dtype.is_float:
+      nan = x.isnan()
+      is_max = is_max | (nan & nan.any(dim, keepdim=True))
     # the first maximal index has the largest (size - index)
     countdown = Tensor.arange(size, 0, -1, device=self.device).reshape((size,) + (1,) * (self.ndim - dim - 1))
     best = is_max.where(countdown, 0).max(dim, keepdim)

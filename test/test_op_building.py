@@ -157,3 +157,15 @@ def test_reduce_axes_are_remembered_by_type_and_raise_each_time():
   np.testing.assert_array_equal(x.mean([0, 1]).numpy(), 2.5)   # (a list: not hashable, not remembered)
   np.testing.assert_array_equal(x.max((-1,), keepdim=True).numpy(), [[2], [5]])
   assert Tensor(np.float32(3)).sum(0).shape == ()
+
+
+def test_argmax_of_a_tensor_that_needs_a_gradient_records_nothing():
+  """An index has no gradient: argmax builds no Function for the backward, and picks the first maximum (the first NaN
+  where there is one), as numpy and PyTorch do."""
+  values = np.array([[1, np.nan, 3, np.nan], [2, 5, 5, 1], [np.inf, 1, np.nan, np.inf], [-np.inf] * 4], np.float32)
+  x = Tensor(values, requires_grad=True)
+  for axis in (0, 1):
+    index = x.argmax(axis)
+    assert index._ctx is None and index.requires_grad is False
+    np.testing.assert_array_equal(index.numpy(), np.argmax(values, axis))
+  assert x.argmax().item() == np.argmax(values)
