@@ -605,10 +605,11 @@ class Linear(Matmul):
 
   def forward(self, x: LazyBuffer, weight: LazyBuffer, *bias: LazyBuffer) -> LazyBuffer:   # type: ignore[override]
     self.input_shape, outputs = x.shape, weight.shape[0]
-    rows = x.reshape((math.prod(x.shape[:-1]), x.shape[-1])) if len(x.shape) > 2 else x
-    self.x_shape, self.y_transposed_shape = rows.shape, weight.shape
-    x_rows = rows.reshape((rows.shape[0], 1, rows.shape[1]))
-    product = self._product(x_rows, weight.reshape((1,) + weight.shape), (rows.shape[0], outputs, x.shape[-1]))
+    count, features = math.prod(x.shape[:-1]), x.shape[-1]
+    # x seen as (rows, k) and then as (rows, 1, k): one view to the second (a reshape of a reshape is one reshape)
+    self.x_shape, self.y_transposed_shape = (count, features), weight.shape
+    x_rows = x.reshape((count, 1, features))
+    product = self._product(x_rows, weight.reshape((1,) + weight.shape), (count, outputs, features))
     product = product.reshape(x.shape[:-1] + (outputs,))
     self.bias_shape = bias[0].shape if bias else None
     return product.elementwise(ADD, _broadcast_to(bias[0], product.shape)) if bias else product
