@@ -136,6 +136,21 @@ def _lazydata(tensor: Tensor) -> LazyBuffer | Any:
 _ctx_of = operator.attrgetter("_ctx")
 
 
+def view_without_gradient(tensor: Tensor, move: Any, arg: Any) -> Tensor | None:
+  """`move(lazy, arg)` (a LazyBuffer movement method: reshape, permute, expand, shrink) of a tensor that needs no
+  gradient, as its movement Function's forward makes it, in a tensor as Function.apply makes it without keeping the
+  Function (one input: the result's requires_grad is the input's, False for no_grad or a non-float). None for a
+  tensor that needs one or is on several devices: the caller applies the Function."""
+  requires = tensor.requires_grad
+  if requires or type(tensor._lazydata) is not LazyBuffer: return None
+  output = move(_lazydata(tensor), arg)
+  Tensor = type(tensor)  # noqa: N806 (the class)
+  result = _new_tensor(Tensor)
+  result._lazydata, result.grad, result._ctx = output, None, None
+  result.requires_grad = False if Tensor.no_grad or not output.dtype.is_float else requires
+  return result
+
+
 def _record_inputs(ctx: Function, device: str, tensors: tuple[Tensor, ...]) -> None:
   """A new Function's autograd bookkeeping: its device, which inputs need a gradient, and, when one does, the inputs
   with the Functions they have now (an in-place write may give an input tensor a new one later: assign)."""

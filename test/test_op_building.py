@@ -169,3 +169,22 @@ def test_argmax_of_a_tensor_that_needs_a_gradient_records_nothing():
     assert index._ctx is None and index.requires_grad is False
     np.testing.assert_array_equal(index.numpy(), np.argmax(values, axis))
   assert x.argmax().item() == np.argmax(values)
+
+
+_VIEWS = [(lambda t: t.reshape(3, 2), lambda a: a.reshape(3, 2)), (lambda t: t.permute(1, 0), lambda a: a.T),
+          (lambda t: t[1:, ::1], lambda a: a[1:]),
+          (lambda t: t.reshape(6)[2:5].reshape(1, 3), lambda a: a.reshape(1, 6)[:, 2:5]),
+          (lambda t: t.T.reshape(-1), lambda a: a.T.reshape(-1))]
+
+
+@pytest.mark.parametrize("move, expected", _VIEWS)
+@pytest.mark.parametrize("requires_grad", [None, False])
+def test_views_without_a_gradient_build_the_graph_of_the_movement_functions(move, expected, requires_grad):
+  """reshape, permute and shrink of a tensor that needs no gradient make the view without a Function: the graph of the
+  Function's forward (a tensor that needs a gradient takes that path), the autograd state Function.apply gives."""
+  direct, recorded = move(Tensor(_X, requires_grad=requires_grad)), move(Tensor(_X, requires_grad=True))
+  assert direct._ctx is None and recorded._ctx is not None and direct.requires_grad is requires_grad
+  assert _graph(direct.lazydata) == _graph(recorded.lazydata)
+  np.testing.assert_array_equal(direct.numpy(), expected(_X))
+  assert move(Tensor(np.arange(6, dtype=np.int32).reshape(2, 3))).requires_grad is False   # (no float: no gradient)
+  with Tensor.no_grad_context(): assert move(Tensor(_X)).requires_grad is False
