@@ -22,7 +22,7 @@ import numpy as np
 
 from ourgrad import function as F
 from ourgrad import function_movement as FM
-from ourgrad.function import _lazydata
+from ourgrad.function import _lazydata, view_without_gradient
 from ourgrad.dtype import DType, dtypes, least_upper_dtype, operands_dtype, result_dtype
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.lazy import LazyBuffer
@@ -226,7 +226,11 @@ class ElementwiseMixin:
     (a Reshape where only leading dims are added, else an Expand), without expand's checks of the shape."""
     if self.shape == shape: return self
     padded = (1,) * (len(shape) - len(self.shape)) + self.shape
-    return FM.Reshape.apply(self, shape=padded) if padded == shape else FM.Expand.apply(self, shape=shape)
+    if padded == shape:
+      viewed = view_without_gradient(self, LazyBuffer.reshape, padded)   # (no gradient needed: no Function)
+      return viewed if viewed is not None else FM.Reshape.apply(self, shape=padded)
+    viewed = view_without_gradient(self, F._broadcast_to, shape)   # (Expand's forward)
+    return viewed if viewed is not None else FM.Expand.apply(self, shape=shape)
 
   def _float_operand(self) -> Tensor:
     """Float math on ints and bools promotes to the default float, as in PyTorch."""

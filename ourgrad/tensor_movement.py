@@ -19,7 +19,7 @@ import numpy as np
 from ourgrad import function_movement as FM
 from ourgrad.dtype import dtypes, least_upper_dtype
 from ourgrad.errors import AxisError, DeviceError, DTypeError, ShapeError
-from ourgrad.function import view_without_gradient
+from ourgrad.function import _broadcast_to, view_without_gradient
 from ourgrad.helpers import normalize_axis, prod
 from ourgrad.lazy import LazyBuffer
 from ourgrad.shape.shapetracker import valid_window
@@ -93,7 +93,9 @@ class MovementMixin:
       padded, final = _expand_plan(*key)
     except TypeError:   # an unhashable size: not remembered
       padded, final = _expand_plan.__wrapped__(*key)
-    return self.reshape(padded) if final == padded else FM.Expand.apply(self, shape=final)
+    if final == padded: return self.reshape(padded)
+    viewed = view_without_gradient(self, _broadcast_to, final)   # (no gradient needed: Expand's forward, no Function)
+    return viewed if viewed is not None else FM.Expand.apply(self, shape=final)
 
   def broadcast_to(self, shape: Sequence[int]) -> Tensor:
     """A view of this tensor broadcast to `shape` (the same as expand)."""

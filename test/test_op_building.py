@@ -72,7 +72,8 @@ def test_direct_ops_give_numpy_values_and_the_general_autograd_state(name, rever
 
 
 @pytest.mark.parametrize("make", [lambda x: x + 1.5, lambda x: 2 * x, lambda x: x - 0.25, lambda x: 1 - x,
-                                  lambda x: x / 4.0, lambda x: 3.0 / x, lambda x: x * x, lambda x: x + x.exp2()])
+                                  lambda x: x / 4.0, lambda x: 3.0 / x, lambda x: x * x, lambda x: x + x.exp2(),
+                                  lambda x: Tensor(_Y[:1]) * x, lambda x: x[:1] + x])
 def test_direct_ops_build_the_graph_function_apply_builds(make):
   """The graph (ops, constants, views) of an op that needs no gradient equals the one built for a tensor that needs
   one (which takes Function.apply's path): the kernels and their values are the same."""
@@ -174,14 +175,15 @@ def test_argmax_of_a_tensor_that_needs_a_gradient_records_nothing():
 _VIEWS = [(lambda t: t.reshape(3, 2), lambda a: a.reshape(3, 2)), (lambda t: t.permute(1, 0), lambda a: a.T),
           (lambda t: t[1:, ::1], lambda a: a[1:]),
           (lambda t: t.reshape(6)[2:5].reshape(1, 3), lambda a: a.reshape(1, 6)[:, 2:5]),
-          (lambda t: t.T.reshape(-1), lambda a: a.T.reshape(-1))]
+          (lambda t: t.T.reshape(-1), lambda a: a.T.reshape(-1)),
+          (lambda t: t[:1].expand(3, 2, 3), lambda a: np.broadcast_to(a[:1], (3, 2, 3)))]
 
 
 @pytest.mark.parametrize("move, expected", _VIEWS)
 @pytest.mark.parametrize("requires_grad", [None, False])
 def test_views_without_a_gradient_build_the_graph_of_the_movement_functions(move, expected, requires_grad):
-  """reshape, permute and shrink of a tensor that needs no gradient make the view without a Function: the graph of the
-  Function's forward (a tensor that needs a gradient takes that path), the autograd state Function.apply gives."""
+  """reshape, permute, shrink and expand of a tensor that needs no gradient make the view without a Function: the
+  graph of the Function's forward (a tensor that needs a gradient takes that path), Function.apply's autograd state."""
   direct, recorded = move(Tensor(_X, requires_grad=requires_grad)), move(Tensor(_X, requires_grad=True))
   assert direct._ctx is None and recorded._ctx is not None and direct.requires_grad is requires_grad
   assert _graph(direct.lazydata) == _graph(recorded.lazydata)
