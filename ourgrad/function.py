@@ -3,7 +3,7 @@ so the backward graph is lazy and fuses into kernels like the forward one.
 
 `Function.apply(*tensors, **kwargs)` runs forward and, when a gradient is needed, records itself as the
 result's `_ctx` so `Tensor.backward` can walk back. Backward returns one gradient per input (None where
-that input needs none).
+that input needs none). The movement Functions (views, indexed reads) are in `function_movement.py`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ourgrad.dtype import DType, dtypes
 from ourgrad.lazy import LazyBuffer
-from ourgrad.lazy_views import Storage, place_through_view
+from ourgrad.lazy_views import Storage
 from ourgrad.mixed_precision import store_low_precision
 from ourgrad.ops import (
   ADD, AND, CMPLT, CMPNE, EXP2, LOG2, MAX, MAX_REDUCE, MUL, NEG, OR, Ops, PYTHON_ALU, RECIP, SIN, SQRT, SUM, WHERE)
@@ -69,38 +69,55 @@ class Function:
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
     ctx = _new_function(cls)
-    # _record_inputs written out (one frame less for every op built); the flags kept in a local too (each read of
-    # ctx's attribute below would be two more steps, on every op built). Not the device: a forward may set it (Shard)
-    ctx.device = tensors[0]._lazydata.device   # (Tensor.device without the property call)
+    # the inputs' values read by a Python call (_lazydata) and forward called with its arguments listed, where it can
+    # be (one input, or two without keywords: most ops): a property read through map, or a call with *args and
+    # **kwargs, re-enters the interpreter from C, which costs as much as the rest of this function. Whether a
+    # gradient is needed is decided first: the bookkeeping is written only for a Function that is kept
     count = len(tensors)
-    if count == 2: needs = [tensors[0].requires_grad, tensors[1].requires_grad]
-    elif count == 1: needs = [tensors[0].requires_grad]
-    else: needs = list(map(_requires_grad_of, tensors))
-    ctx.needs_input_grad = needs
-    ctx.requires_grad = requires = True if True in needs else None if None in needs else False
-    if requires:
-      ctx.parents, ctx.parent_ctxs, ctx.versions_seen = tensors, tuple(map(_ctx_of, tensors)), Storage.versions_made
-    # one input, or two without keywords (most ops): each input's value read by a Python call (_lazydata) and forward
-    # called with its arguments listed, where it can be: a property read through map, or a call with *args and
-    # **kwargs, re-enters the interpreter from C, which costs as much as the rest of this function
     if count == 1:
-      output = ctx.forward(_lazydata(tensors[0]), **kwargs) if kwargs else ctx.forward(_lazydata(tensors[0]))
-    elif count == 2 and not kwargs: output = ctx.forward(_lazydata(tensors[0]), _lazydata(tensors[1]))
-    else: output = ctx.forward(*map(_lazydata_of, tensors), **kwargs)
+      requires = tensors[0].requires_grad
+      if requires: _record(ctx, tensors, [True])
+      source = _lazydata(tensors[0])
+      output = ctx.forward(source, **kwargs) if kwargs else ctx.forward(source)
+    elif count == 2 and not kwargs:
+      first, second = tensors
+      first_needs, second_needs = first.requires_grad, second.requires_grad
+      if first_needs or second_needs:   # (True, None or False each: one of them True)
+        requires = True
+        _record(ctx, tensors, [first_needs, second_needs])
+      else: requires = None if first_needs is None or second_needs is None else False
+      source = _lazydata(first)
+      output = ctx.forward(source, _lazydata(second))
+    else:
+      needs = list(map(_requires_grad_of, tensors))
+      requires = True if True in needs else None if None in needs else False
+      if requires: _record(ctx, tensors, needs)
+      source = tensors[0]._lazydata
+      output = ctx.forward(*map(_lazydata_of, tensors), **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch; under no_grad() nothing
     # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
     # of silently doing nothing)
-    if requires is not False and (Tensor.no_grad or not output.dtype.is_float): ctx.requires_grad = requires = False
-    if type(output) is LazyBuffer and output.device == ctx.device:
+    if requires is not False and (Tensor.no_grad or not output.dtype.is_float): requires = False
+    if type(output) is LazyBuffer and output.device == source.device:
       # the result of nearly every op: a tensor around `output` as it is. Its four slots set here cost a fraction of
       # Tensor.__init__'s checks (none applies: one device, no dtype change, a gradient only for floats)
       result = _new_tensor(Tensor)
       result._lazydata, result.requires_grad, result.grad = output, requires, None
       result._ctx = ctx if requires else None
       return result
-    result = Tensor(output, device=ctx.device, requires_grad=requires)
+    # (a forward may have set the device: Shard)
+    result = Tensor(output, device=vars(ctx).get("device", source.device), requires_grad=requires)
     if requires: result._ctx = ctx
     return result
+
+
+def _record(ctx: Function, tensors: tuple[Tensor, ...], needs: list[bool | None]) -> None:
+  """The bookkeeping of a Function that is kept (an input needs a gradient), before its forward runs: the device, which
+  inputs need a gradient, and the inputs with the Functions they have now (an in-place write may give an input tensor
+  a new one later: assign); `versions_seen`: no in-place write since (the count unchanged at backward) means nothing
+  it saves can have gone stale."""
+  ctx.device, ctx.needs_input_grad, ctx.requires_grad = tensors[0]._lazydata.device, needs, True
+  ctx.parents, ctx.parent_ctxs, ctx.versions_seen = tensors, tuple(map(_ctx_of, tensors)), Storage.versions_made
 
 
 _new_function = _new_tensor = object.__new__
@@ -117,6 +134,21 @@ def _lazydata(tensor: Tensor) -> LazyBuffer | Any:
     return tensor.lazydata
   return lazy
 _ctx_of = operator.attrgetter("_ctx")
+
+
+def view_without_gradient(tensor: Tensor, move: Any, arg: Any) -> Tensor | None:
+  """`move(lazy, arg)` (a LazyBuffer movement method: reshape, permute, expand, shrink) of a tensor that needs no
+  gradient, as its movement Function's forward makes it, in a tensor as Function.apply makes it without keeping the
+  Function (one input: the result's requires_grad is the input's, False for no_grad or a non-float). None for a
+  tensor that needs one or is on several devices: the caller applies the Function."""
+  requires = tensor.requires_grad
+  if requires or type(tensor._lazydata) is not LazyBuffer: return None
+  output = move(_lazydata(tensor), arg)
+  Tensor = type(tensor)  # noqa: N806 (the class)
+  result = _new_tensor(Tensor)
+  result._lazydata, result.grad, result._ctx = output, None, None
+  result.requires_grad = False if Tensor.no_grad or not output.dtype.is_float else requires
+  return result
 
 
 def _record_inputs(ctx: Function, device: str, tensors: tuple[Tensor, ...]) -> None:
@@ -192,6 +224,21 @@ def _exp(x: LazyBuffer) -> LazyBuffer:
 def _log(x: LazyBuffer) -> LazyBuffer:
   """The natural logarithm of x (Log's forward, and composites built on lazy buffers)."""
   return _scale(_widen(x).elementwise(LOG2), math.log(2)).cast(x.dtype)
+
+
+def _broadcast_to(x: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
+  """x broadcast to `shape` as Expand's forward does it (size-1 dims put in front first, then the expand)."""
+  if len(shape) != len(x.shape): x = x.reshape((1,) * (len(shape) - len(x.shape)) + x.shape)
+  return x.expand(shape)
+
+
+def _sum_to_shape(grad: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
+  """The gradient of a value broadcast from `shape` (`_broadcast_to`): `grad` summed over the broadcast axes, in one
+  reduce, and reshaped to `shape` where dims were added."""
+  padded = (1,) * (len(grad.shape) - len(shape)) + shape
+  axes = tuple(axis for axis, (old, new) in enumerate(zip(padded, grad.shape)) if old != new)
+  summed = grad.reduce(SUM, axes)
+  return summed if padded == shape else summed.reshape(shape)
 
 
 # ---------------------------------------------------------------- unary
@@ -528,14 +575,17 @@ class Matmul(Function):
   reduce, y's put back with a permute (a view)."""
 
   def forward(self, x: LazyBuffer, y: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
-    self.x_shape, self.y_shape, self.shape = x.shape, y.shape, shape
+    self.x_shape = x.shape
     rank = len(y.shape)
     self.y_order = (*range(rank - 2), rank - 1, rank - 2)   # y's transpose (its own inverse)
-    x_rows = x.reshape(x.shape[:-1] + (1, x.shape[-1]))
     y_columns = y.permute(self.y_order)
     self.y_transposed_shape = y_columns.shape
-    y_columns = y_columns.reshape(y_columns.shape[:-2] + (1,) + y_columns.shape[-2:])
-    self.x_rows_shape, self.y_columns_shape = x_rows.shape, y_columns.shape
+    x_rows = x.reshape(x.shape[:-1] + (1, x.shape[-1]))
+    return self._product(x_rows, y_columns.reshape(y_columns.shape[:-2] + (1,) + y_columns.shape[-2:]), shape)
+
+  def _product(self, x_rows: LazyBuffer, y_columns: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
+    """x_rows (..., m, 1, k) times y_columns (..., 1, n, k), both broadcast to `shape`, summed over k: (..., m, n)."""
+    self.shape, self.x_rows_shape, self.y_columns_shape = shape, x_rows.shape, y_columns.shape
     self.x, self.y = _broadcast_to(x_rows, shape), _broadcast_to(y_columns, shape)
     return _mul(self.x, self.y).reduce(SUM, (len(shape) - 1,)).reshape(shape[:-1])
 
@@ -544,6 +594,12 @@ class Matmul(Function):
             if needed]
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    grad_x, grad_y = self._product_gradients(grad_output)
+    # (y's gradient in y's transpose's shape, put back with the transpose's own inverse)
+    return grad_x, grad_y.permute(self.y_order) if grad_y is not None else None
+
+  def _product_gradients(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    """The gradients of x (in x's shape) and of y_columns (in y's transpose's shape, (..., n, k)) of `_product`."""
     # the sum's gradient: the output's, broadcast over k
     grad = grad_output.reshape(self.shape[:-1] + (1,)).expand(self.shape)
     grad_x = grad_y = None
@@ -551,7 +607,6 @@ class Matmul(Function):
       grad_x = _sum_to_shape(_mul(self.y, grad), self.x_rows_shape).reshape(self.x_shape)
     if self.needs_input_grad[1]:
       grad_y = _sum_to_shape(_mul(self.x, grad), self.y_columns_shape).reshape(self.y_transposed_shape)
-      grad_y = grad_y.permute(self.y_order)
     return grad_x, grad_y
 
 
@@ -559,12 +614,17 @@ class Linear(Matmul):
   """x (..., k) @ weight (n, k).T [+ bias (n,)] -> (..., n), operands of one dtype: Tensor.linear's graph as one
   autograd node. The Tensor ops build weight.T (a Permute), x viewed as (rows, k) (a Reshape, where x has more than two
   dims), the Matmul, its result viewed back, and the bias broadcast (an Expand) and added: five nodes where this is
-  one, and its backward the graph their backward walk built, operation for operation (so the kernels are the same)."""
+  one, and its backward the graph their backward walk built, operation for operation (so the kernels are the same).
+  The weight is the Matmul's y transposed, which the Matmul transposes back: taken as it is (a permute of a permute is
+  the view itself), in the forward and the backward."""
 
   def forward(self, x: LazyBuffer, weight: LazyBuffer, *bias: LazyBuffer) -> LazyBuffer:   # type: ignore[override]
     self.input_shape, outputs = x.shape, weight.shape[0]
-    rows = x.reshape((math.prod(x.shape[:-1]), x.shape[-1])) if len(x.shape) > 2 else x
-    product = super().forward(rows, weight.permute((1, 0)), (rows.shape[0], outputs, x.shape[-1]))
+    count, features = math.prod(x.shape[:-1]), x.shape[-1]
+    # x seen as (rows, k) and then as (rows, 1, k): one view to the second (a reshape of a reshape is one reshape)
+    self.x_shape, self.y_transposed_shape = (count, features), weight.shape
+    x_rows = x.reshape((count, 1, features))
+    product = self._product(x_rows, weight.reshape((1,) + weight.shape), (count, outputs, features))
     product = product.reshape(x.shape[:-1] + (outputs,))
     self.bias_shape = bias[0].shape if bias else None
     return product.elementwise(ADD, _broadcast_to(bias[0], product.shape)) if bias else product
@@ -572,9 +632,8 @@ class Linear(Matmul):
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:   # type: ignore[override]
     grad_bias = None
     if self.bias_shape is not None and self.needs_input_grad[2]: grad_bias = _sum_to_shape(grad_output, self.bias_shape)
-    grad_x, grad_weight = super().backward(grad_output.reshape(self.shape[:-1]))
+    grad_x, grad_weight = self._product_gradients(grad_output.reshape(self.shape[:-1]))
     if grad_x is not None: grad_x = grad_x.reshape(self.input_shape)
-    if grad_weight is not None: grad_weight = grad_weight.permute((1, 0))
     return (grad_x, grad_weight) if self.bias_shape is None else (grad_x, grad_weight, grad_bias)
 
 
@@ -650,161 +709,3 @@ class MaxToOne(Function):
     grad = _where_equal(key, key.reduce(MAX_REDUCE, self.axes).expand(x.shape), grad_output.expand(x.shape),
                         x.operand_like(0, grad_output.dtype))
     return grad, None
-
-
-# ---------------------------------------------------------------- movement
-
-class Reshape(Function):
-  def forward(self, x: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
-    self.input_shape = x.shape
-    return x.reshape(shape)
-
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.reshape(self.input_shape)
-
-
-class Permute(Function):
-  def forward(self, x: LazyBuffer, order: tuple[int, ...]) -> LazyBuffer:
-    self.order = order
-    return x.permute(order)
-
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    inverse = tuple(sorted(range(len(self.order)), key=self.order.__getitem__))
-    return grad_output.permute(inverse)
-
-
-class Expand(Function):
-  """x broadcast to `shape`; x may have fewer dims (size-1 dims are put in front first, as numpy broadcasts): one
-  Function for the reshape and the expand of a broadcast operand."""
-
-  def forward(self, x: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
-    self.input_shape = x.shape
-    # (reshaped only when dims are added: a sharded input's reshape maps whole shapes onto its shards)
-    if len(shape) != len(x.shape): x = x.reshape((1,) * (len(shape) - len(x.shape)) + x.shape)
-    return x.expand(shape)
-
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return _sum_to_shape(grad_output, self.input_shape)
-
-
-def _broadcast_to(x: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
-  """x broadcast to `shape` as Expand's forward does it (size-1 dims put in front first, then the expand)."""
-  if len(shape) != len(x.shape): x = x.reshape((1,) * (len(shape) - len(x.shape)) + x.shape)
-  return x.expand(shape)
-
-
-def _sum_to_shape(grad: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
-  """The gradient of a value broadcast from `shape` (`_broadcast_to`): `grad` summed over the broadcast axes, in one
-  reduce, and reshaped to `shape` where dims were added."""
-  padded = (1,) * (len(grad.shape) - len(shape)) + shape
-  axes = tuple(axis for axis, (old, new) in enumerate(zip(padded, grad.shape)) if old != new)
-  summed = grad.reduce(SUM, axes)
-  return summed if padded == shape else summed.reshape(shape)
-
-
-class Pad(Function):
-  def forward(self, x: LazyBuffer, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
-    self.narrow = tuple((before, size + before) for size, (before, _) in zip(x.shape, arg))
-    return x.pad(arg)
-
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.shrink(self.narrow)
-
-
-class Shrink(Function):
-  def forward(self, x: LazyBuffer, arg: tuple[tuple[int, int], ...]) -> LazyBuffer:
-    self.widen = tuple((start, size - end) for size, (start, end) in zip(x.shape, arg))
-    return x.shrink(arg)
-
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.pad(self.widen)
-
-
-class Flip(Function):
-  def forward(self, x: LazyBuffer, axes_mask: tuple[bool, ...]) -> LazyBuffer:
-    self.axes_mask = axes_mask
-    return x.flip(axes_mask)
-
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.flip(self.axes_mask)
-
-
-class WriteThroughView(Function):
-  """A tensor after an in-place write through a view of it (`v = h[0:2]; v += x`): the elements the view covers take
-  the gradient path of the view's new value, the others keep the tensor's own. forward(h, v, st) gives h's value
-  (written already); `st` is the view's ShapeTracker over h's base."""
-
-  def forward(self, h: LazyBuffer, v: LazyBuffer, st: Any) -> LazyBuffer:
-    self.st, self.base_shape = st, h.base.shape
-    placed = place_through_view(v.const_like(0), st, self.base_shape)
-    self.inside = placed[1].reshape(h.shape) if placed is not None else h.const_like(False, dtypes.bool)
-    return h
-
-  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
-    grad_h = _where(self.inside, grad_output.const_like(0), grad_output) if self.needs_input_grad[0] else None
-    grad_v = None
-    if self.needs_input_grad[1]:
-      flat = grad_output.reshape(self.base_shape)
-      grad_v = flat.base.view(flat.st + self.st) if not flat.is_base else flat.view(self.st)
-    return grad_h, grad_v
-
-
-class ViewOf(Function):
-  """A view of a tensor through `st` (a ShapeTracker over the tensor's base, one strided lattice of it), as a
-  Function of the tensor: a view made before a write through another view of the same tensor, rebuilt on the
-  tensor's new gradient path. Backward puts the gradient back in place (zeros elsewhere)."""
-
-  def forward(self, h: LazyBuffer, st: Any) -> LazyBuffer:
-    self.st, self.base_shape, self.input_shape = st, h.base.shape, h.shape
-    view = h.base.view(st)
-    place_through_view(view.const_like(0), st, self.base_shape)   # ShapeError now for a view that is no lattice
-    return view
-
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    placed = place_through_view(grad_output, self.st, self.base_shape)
-    if placed is None: return LazyBuffer.full(0, self.input_shape, grad_output.dtype, grad_output.device)
-    return placed[0].reshape(self.input_shape)
-
-
-# ---------------------------------------------------------------- indexed reads
-
-class GatherRows(Function):
-  """Rows of a (N, R) table picked by an (M,) int32 index -> (M, R), reading only those rows (LazyBuffer.gather_rows);
-  an index outside [0, N) gives zeros.
-
-  The gradient is an indexed accumulate of the M output rows into a zero table (LazyBuffer.accumulate_rows): one
-  kernel, M x R additions, repeated indices summed in order, no one-hot over the table."""
-
-  def forward(self, table: LazyBuffer, index: LazyBuffer) -> LazyBuffer:
-    self.index, self.table_shape = index, table.shape
-    return table.gather_rows(index)
-
-  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, None]:
-    if not self.needs_input_grad[0]: return None, None
-    zeros = LazyBuffer.full(0, self.table_shape, grad_output.dtype, grad_output.device)
-    return zeros.accumulate_rows(self.index, grad_output), None
-
-
-class PickPerRow(Function):
-  """One element of each row of an (R, C) x -> (R,): x[r, flat_index[r] - r * C], read by an indexed load each
-  (LazyBuffer.gather_rows over x flattened to (R * C, 1); `flat_index` (R,) int32, -1 where nothing is picked: 0).
-  The gradient is where(one_hot, grad, 0) (`one_hot` (R, C) bool, the picked positions): elementwise, it fuses
-  into the kernel of x's other gradient terms (cross-entropy's softmax - one_hot)."""
-
-  def forward(self, x: LazyBuffer, flat_index: LazyBuffer, one_hot: LazyBuffer) -> LazyBuffer:
-    self.one_hot = one_hot
-    rows, classes = x.shape
-    return x.reshape((rows * classes, 1)).gather_rows(flat_index).reshape((rows,))
-
-  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer, None, None]:
-    spread = grad_output.reshape((grad_output.shape[0], 1)).expand(self.one_hot.shape)
-    return _where(self.one_hot, spread, spread.operand_like(0)), None, None
-
-
-class AccumulateRows(Function):
-  """A (N, R) start with the (M, R) rows added at the rows an (M,) int32 index names, in order (repeated indices
-  summed, an index outside [0, N) ignored): LazyBuffer.accumulate_rows. The gradient of the start is the output's;
-  that of the rows is the output's gradient gathered at the index (zero where the index is outside)."""
-
-  def forward(self, start: LazyBuffer, index: LazyBuffer, rows: LazyBuffer) -> LazyBuffer:
-    self.index = index
-    return start.accumulate_rows(index, rows)
-
-  def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, None, LazyBuffer | None]:
-    grad_rows = grad_output.gather_rows(self.index) if self.needs_input_grad[2] else None
-    return (grad_output if self.needs_input_grad[0] else None), None, grad_rows

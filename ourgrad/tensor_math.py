@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ourgrad import function as F
+from ourgrad import function_movement as FM
+from ourgrad.function import _lazydata, view_without_gradient
+from ourgrad.tensor_numerics import _float_floor_quotient, _float_fmod, _integer_pow, _pow_sign, _sign_differs
 from ourgrad.dtype import DType, dtypes, least_upper_dtype, operands_dtype, result_dtype
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.lazy import LazyBuffer
@@ -32,7 +35,7 @@ if TYPE_CHECKING:
 
 
 _PY_SCALARS = (bool, int, float)
-_new_tensor = object.__new__
+_new_tensor = _new_function = object.__new__
 _BOOL = dtypes.bool
 
 
@@ -59,72 +62,6 @@ def _broadcast_shape_of(shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
                        f"sizes {sorted(non_one)} meet in one dimension")
     result.append(non_one.pop() if non_one else 1)
   return tuple(result)
-
-
-def _pow_sign(base: Tensor, power: Tensor) -> Tensor:
-  """The sign of base ** power by C's pow rules: -1 for a negative base (-0 included) to an odd integer power, NaN
-  for a finite negative base to a non-integer power, else 1."""
-  negative = (base < 0) | (base.reciprocal() < 0)  # the reciprocal tells -0.0 from 0.0
-  is_integer_power = power.floor() == power
-  odd = is_integer_power & ((power.abs() % 2) == 1)
-  undefined = (base < 0) & ~is_integer_power & ~base.isinf()
-  return (negative & odd).where(-1.0, undefined.where(math.nan, 1.0)).cast(base.dtype)
-
-
-def _float_fmod(x: Tensor, y: Tensor) -> Tensor:
-  """C's fmod for floats: x - trunc(x / y) * y, and x itself for a finite x over an infinite y. Exact (as C's fmod,
-  which PyTorch uses) for floats narrower than 64 bits: computed in float64, where trunc(x / y) is the true quotient's
-  and the product and the difference are exact for quotients below 2**29 (1.0 % 0.1 is 0.099999987, not -1.5e-08).
-  float64 operands compute in float64, exact while x / y does not round across an integer."""
-  wide = dtypes.float64 if x.dtype.itemsize < 8 else x.dtype
-  a, b = x.cast(wide), y.cast(wide)
-  remainder = a - (a / b).trunc() * b
-  # kernels compute a / b as a * (1 / b): at an exact integer quotient (x % x) it can round to just below or above
-  # it, and trunc is one off. C's remainder has the sign of a and is smaller than |b|: step it back there
-  toward_a, size = (a < 0).where(-1.0, 1.0).cast(wide), b.abs()
-  remainder = ((remainder * toward_a >= 0) & (remainder.abs() >= size)).where(remainder - toward_a * size, remainder)
-  remainder = (remainder * toward_a < 0).where(remainder + toward_a * size, remainder)
-  remainder = remainder._zero_signed_like(a)   # a zero takes the sign of x, as in C
-  return (b.isinf() & a.isfinite()).where(a, remainder).cast(x.dtype)
-
-
-def _sign_differs(remainder: Tensor, divisor: Tensor) -> Tensor:
-  """Where a non-zero C remainder and the divisor differ in sign: Python's % adds the divisor there, // steps down."""
-  return (remainder != 0) & ((remainder < 0) != (divisor < 0))
-
-
-def _float_floor_quotient(x: Tensor, y: Tensor) -> Tensor:
-  """PyTorch's x // y for floats (c10's div_floor_floating): floor of the true quotient, from the exact remainder
-  (1.0 // 0.1 is 9, as in Python and numpy, though 1.0 / 0.1 rounds to 10). x / y where y is 0; -1 or a zero for a
-  finite x over an infinite y; NaN for an infinite x; zero results carry the sign of x / y."""
-  # in float64, where (a - remainder) / b is the exact integer for quotients below 2**29 (x / y is x * (1 / y) in
-  # kernels: 1e10 / 3 in float32 would round twice); rounded once to x's dtype at the end
-  wide = dtypes.float64 if x.dtype.itemsize < 8 else x.dtype
-  a, b = x.cast(wide), y.cast(wide)
-  remainder = _float_fmod(a, b)
-  quotient = (a - remainder) / b
-  quotient = _sign_differs(remainder, b).where(quotient - 1, quotient)
-  floored = quotient.floor()
-  # (a - remainder) / b is an integer up to rounding: round it to the nearest one
-  floored = (quotient - floored > 0.5).where(floored + 1, floored)
-  exact = a / b
-  result = floored._zero_signed_like(exact)   # a zero quotient takes the sign of a / b
-  return (b == 0).where(exact, result).cast(x.dtype)
-
-
-def _integer_pow(base: Tensor, power: Tensor) -> Tensor:
-  """base ** power for integer tensors of one dtype and shape, as PyTorch computes it: exact, wrapping on overflow,
-  by square-and-multiply over every bit of the exponent's dtype; a negative power gives 1 for base 1, +-1 for base -1
-  (by the power's parity) and 0 otherwise."""
-  non_negative = power if power.dtype.is_unsigned else (power < 0).where(0, power)
-  result, square, remaining = base.ones_like(), base, non_negative
-  for _ in range(power.dtype.bits if power.dtype.is_unsigned else power.dtype.bits - 1):
-    result = ((remaining & 1) != 0).where(result * square, result)
-    square, remaining = square * square, remaining >> 1
-  if power.dtype.is_unsigned: return result
-  odd = (power & 1) != 0
-  reciprocal = (base == 1).where(1, (base == -1).where(odd.where(-1, 1), 0)).cast(base.dtype)
-  return (power < 0).where(reciprocal, result)
 
 
 def _tensors_dtype(*tensors: Tensor) -> DType:
@@ -188,12 +125,47 @@ class ElementwiseMixin:
     shape = _broadcast_shape(x.shape, y.shape)
     return x.cast(dtype).expand(shape), y.cast(dtype).expand(shape)
 
+  def _direct_operation(self, function: type[F.Function], other: Any, reverse: bool) -> Tensor | None:
+    """`function` of this float tensor, which needs no gradient, and a Python scalar or a tensor of its shape, dtype
+    and device that needs none either (inference: `x + 1`, `x * 0.5`, a residual add), built on lazy buffers as
+    Function.apply builds it from `_broadcasted`'s operands (a scalar shared at this tensor's shape and dtype, as a
+    float tensor keeps its dtype with any scalar). No Function is kept, so its bookkeeping, the scalar's Tensor and
+    the broadcast's checks are left out. None where the general path must decide (another shape or dtype, a
+    multi-device or non-float tensor, an operand that needs a gradient)."""
+    # (decided on the tensors' own buffers, whose shape, dtype and device every newer version shares: the newest
+    # versions are read only for an op that is built here)
+    mine = self._lazydata
+    if type(mine) is not LazyBuffer or not mine.dtype.is_float: return None
+    if type(other) in _PY_SCALARS:
+      theirs = LazyBuffer.operand_constant(other, mine.shape, mine.dtype, mine.device)
+      # (Function.apply's rule: the scalar's requires_grad is None, so the result's is None unless gradients are off
+      # or it is no float)
+      requires = None
+    elif type(other) is type(self) and not (other_needs := other.requires_grad):
+      theirs = other._lazydata
+      if type(theirs) is not LazyBuffer or theirs.dtype is not mine.dtype or theirs.shape != mine.shape or \
+          theirs.device != mine.device: return None
+      theirs = _lazydata(other)
+      requires = None if other_needs is None or self.requires_grad is None else False
+    else: return None
+    lazy = _lazydata(self)
+    ctx = _new_function(function)
+    output = ctx.forward(theirs, lazy) if reverse else ctx.forward(lazy, theirs)
+    result = _new_tensor(type(self))
+    result._lazydata, result.grad, result._ctx = output, None, None
+    result.requires_grad = False if type(self).no_grad or not output.dtype.is_float else requires
+    return result
+
   def _broadcast_to(self, shape: tuple[int, ...]) -> Tensor:
     """This tensor broadcast to `shape`, a shape _broadcast_shape gave for it: the Functions expand(shape) applies
     (a Reshape where only leading dims are added, else an Expand), without expand's checks of the shape."""
     if self.shape == shape: return self
     padded = (1,) * (len(shape) - len(self.shape)) + self.shape
-    return F.Reshape.apply(self, shape=padded) if padded == shape else F.Expand.apply(self, shape=shape)
+    if padded == shape:
+      viewed = view_without_gradient(self, LazyBuffer.reshape, padded)   # (no gradient needed: no Function)
+      return viewed if viewed is not None else FM.Reshape.apply(self, shape=padded)
+    viewed = view_without_gradient(self, F._broadcast_to, shape)   # (Expand's forward)
+    return viewed if viewed is not None else FM.Expand.apply(self, shape=shape)
 
   def _float_operand(self) -> Tensor:
     """Float math on ints and bools promotes to the default float, as in PyTorch."""
@@ -215,6 +187,7 @@ class ElementwiseMixin:
   def add(self, other: Any, reverse: bool = False) -> Tensor:
     """self + other (other + self if `reverse`), broadcast and type-promoted; bool + bool is logical or; no `alpha`
     argument."""
+    if not self.requires_grad and (result := self._direct_operation(F.Add, other, reverse)) is not None: return result
     x, y = self._broadcasted(other, reverse)
     if x._lazydata.dtype is _BOOL: return x | y   # (Tensor.dtype without the property call: every op)
     return F.Add.apply(x, y)
@@ -232,12 +205,15 @@ class ElementwiseMixin:
 
   def mul(self, other: Any, reverse: bool = False) -> Tensor:
     """self * other, broadcast and type-promoted; bool * bool is logical and."""
+    if not self.requires_grad and (result := self._direct_operation(F.Mul, other, reverse)) is not None: return result
     x, y = self._broadcasted(other, reverse)
     if x._lazydata.dtype is _BOOL: return x & y
     return F.Mul.apply(x, y)
 
   def div(self, other: Any, reverse: bool = False, rounding_mode: str | None = None) -> Tensor:
     """True division (ints promote to float); rounding_mode "trunc" or "floor" as in torch.div."""
+    if rounding_mode is None and not self.requires_grad and \
+        (result := self._direct_operation(F.Div, other, reverse)) is not None: return result
     x, y = self._broadcasted(other, reverse)
     if rounding_mode is not None and not reverse: self._check_divisor(other, x.dtype, "division")
     if rounding_mode == "floor": return x.floor_divide(y)
