@@ -97,7 +97,7 @@ class LazyBuffer:
   # slots, not a __dict__: a training step makes thousands of LazyBuffers, and each dict is one more object to
   # allocate and for the cyclic garbage collector to visit (a view sets only the first six)
   __slots__ = ("device", "st", "dtype", "shape", "_base", "_const", "op", "arg", "srcs", "realized", "forced_realize",
-               "_readers", "_readers_limit", "_storage", "_trace_index", "__weakref__")
+               "_readers", "_readers_limit", "_storage", "_trace_index", "_inline", "__weakref__")
 
   # ---------------------------------------------------------------- construction
 
@@ -132,24 +132,52 @@ class LazyBuffer:
     base._storage = None
     if not srcs:
       base._trace_index = -1   # its position in the creation trace (lazy_trace.py), -1: not traced
+      # a constant's tokens where a traced base reads it as a value (the scheduler writes it into the kernel)
+      if op is CONST: base._inline = (lazy_trace.INLINE, lazy_trace.arg_token(arg), dtype, device, base.shape)
       return base
-    # the readers of the sources and the creation trace, written out here rather than in the helpers (_add_reader,
-    # lazy_trace.record): every op built runs this, and each call of a helper costs more than its work. No lock (an
-    # uncontended lock cost more than the rest of this): see _prune_readers
+    # the readers of the sources and the creation trace with the base's tokens, written out here rather than in the
+    # helpers (_add_reader, lazy_trace.record): every op built runs this, and each call of a helper costs more than
+    # its work. No lock (an uncontended lock cost more than the rest of this): see _prune_readers
     # (`src._base or src`: a LazyBuffer is always true, and this is one step shorter than the conditional)
     reference = weakref.ref(base)
+    trace = _TRACE[0]
+    if trace is not None and trace.owner == _get_ident() and \
+        (position := len(traced := trace.bases)) < lazy_trace.MAX_TRACED:
+      # (record's common case: a trace of this thread, open and not full)
+      base._trace_index = position
+      traced.append(base)
+      tokens = trace.tokens
+      tokens += (op, arg if arg is None or (type(arg) in _KEPT_ARG_TYPES and arg) else lazy_trace.hashable_arg(arg),
+                 dtype, device, base.shape)
+      for src in srcs:
+        source = src._base or src
+        if source.op is not CONST:   # (a constant is never written in place: see _add_reader)
+          (readers := source._readers).append(reference)
+          # most sources are bases of this trace: their position (an index -1 reads this base, the last one). Their
+          # lists are not pruned here: a base of the trace gains readers only until the next schedule (MAX_TRACED at
+          # most); readers noted later, through the paths below, prune it
+          index = source._trace_index
+          if index < position and traced[index] is source:
+            tokens += (index, src.st)
+            continue
+          if len(readers) > source._readers_limit: _prune_readers(source)
+          # a realized source read before in this trace: its leaf number (the first read goes through `reference`)
+          buffer = source.realized
+          if buffer is not None and (leaf := trace.leaf_index.get(buffer)) is not None:
+            tokens += (_LEAF, leaf, src.st, source.shape)
+            continue
+        elif source.realized is None and not source.forced_realize:   # a constant only read: its value's tokens
+          tokens += (source._inline, src.st)
+          continue
+        lazy_trace.reference(trace, src, source)   # a leaf's first read, a base made before the trace
+      return base
     for src in srcs:
       source = src._base or src
-      if source.op is not CONST:   # (a constant is never written in place: see _add_reader)
+      if source.op is not CONST:
         (readers := source._readers).append(reference)
         if len(readers) > source._readers_limit: _prune_readers(source)
-    trace = _TRACE[0]
-    if trace is not None and not trace.tainted and (position := len(traced := trace.bases)) < lazy_trace.MAX_TRACED:
-      base._trace_index = position   # (record's common case: a trace open and not full)
-      traced.append(base)
-    else:
-      base._trace_index = -1   # (record sets the position where it traces the base)
-      lazy_trace.record(base)
+    base._trace_index = -1   # (record sets the position where it traces the base)
+    lazy_trace.record(base)
     return base
 
   @staticmethod
@@ -460,7 +488,7 @@ class LazyBuffer:
     # constant's base, which may be shared by many readers (`operand_constant`: one element is a contiguous view)
     base = self.base
     if self.reads_whole_base and (base.op is not CONST or base.realized is not None):
-      base.forced_realize = True
+      lazy_trace.force(base)   # (noted in the creation trace: the base's tokens were written without it)
       return self
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, CONTIGUOUS, None, (self,))
 
@@ -705,6 +733,9 @@ class LazyBuffer:
 
 _new_lazy_buffer = object.__new__
 _TRACE = lazy_trace._trace   # (the one-item list holding the open trace: read at every base made)
+_get_ident = lazy_trace.get_ident
+_KEPT_ARG_TYPES = lazy_trace.KEPT_ARG_TYPES
+_LEAF = lazy_trace.LEAF
 
 
 def _prune_readers(base: LazyBuffer) -> None:
