@@ -151,15 +151,16 @@ class LazyBuffer:
                  dtype, device, base.shape)
       for src in srcs:
         source = src._base or src
+        # most sources are bases of this trace: their position (an index -1 reads this base, the last one). Their
+        # reader lists are not pruned here: a base of the trace gains readers only until the next schedule
+        # (MAX_TRACED at most); readers noted later, through the paths below, prune it
+        index = source._trace_index
+        if index < position and traced[index] is source:
+          source._readers.append(reference)
+          tokens += (index, src.st)
+          continue
         if source.op is not CONST:   # (a constant is never written in place: see _add_reader)
           (readers := source._readers).append(reference)
-          # most sources are bases of this trace: their position (an index -1 reads this base, the last one). Their
-          # lists are not pruned here: a base of the trace gains readers only until the next schedule (MAX_TRACED at
-          # most); readers noted later, through the paths below, prune it
-          index = source._trace_index
-          if index < position and traced[index] is source:
-            tokens += (index, src.st)
-            continue
           if len(readers) > source._readers_limit: _prune_readers(source)
           # a realized source read before in this trace: its leaf number (the first read goes through `reference`)
           buffer = source.realized
