@@ -162,15 +162,21 @@ class LazyBuffer:
         if source.op is not CONST:   # (a constant is never written in place: see _add_reader)
           (readers := source._readers).append(reference)
           if len(readers) > source._readers_limit: _prune_readers(source)
-          # a realized source read before in this trace: its leaf number (the first read goes through `reference`)
+          # a realized source: a leaf, by its number (a new one at its first read in this trace)
           buffer = source.realized
-          if buffer is not None and (leaf := trace.leaf_index.get(buffer)) is not None:
-            tokens += (_LEAF, leaf, src.st, source.shape)
+          if buffer is not None:
+            leaf = (leaf_index := trace.leaf_index).get(buffer)   # (Buffers compare and hash by identity)
+            if leaf is None:
+              leaf = leaf_index[buffer] = len(leaf_index)
+              trace.leaves.append(buffer)
+              tokens += (_NEW_LEAF, leaf, src.st, source.shape, buffer.device, buffer.size, buffer.dtype, type(buffer))
+            else:
+              tokens += (_LEAF, leaf, src.st, source.shape)
             continue
         elif source.realized is None and not source.forced_realize:   # a constant only read: its value's tokens
           tokens += (source._inline, src.st)
           continue
-        lazy_trace.reference(trace, src, source)   # a leaf's first read, a base made before the trace
+        lazy_trace.reference(trace, src, source)   # a base made before the trace (or a constant forced)
       return base
     for src in srcs:
       source = src._base or src
@@ -736,7 +742,7 @@ _new_lazy_buffer = object.__new__
 _TRACE = lazy_trace._trace   # (the one-item list holding the open trace: read at every base made)
 _get_ident = lazy_trace.get_ident
 _KEPT_ARG_TYPES = lazy_trace.KEPT_ARG_TYPES
-_LEAF = lazy_trace.LEAF
+_LEAF, _NEW_LEAF = lazy_trace.LEAF, lazy_trace.NEW_LEAF
 
 
 def _prune_readers(base: LazyBuffer) -> None:

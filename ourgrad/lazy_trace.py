@@ -7,10 +7,10 @@ one group per base, parsed unambiguously because every group and every reference
 kind:
   - a base: its op (an `Ops`, equal to no other token), arg, dtype, device and shape, then one reference per source;
     its position is implied: the groups of `Trace.tokens` take the positions no `_EARLY` group names, in order;
-  - a reference: a base of the trace by its position (an int) and the view; `_NEW_LEAF`, the leaf's number, the view,
+  - a reference: a base of the trace by its position (an int) and the view; `NEW_LEAF`, the leaf's number, the view,
     the source base's shape and the realized buffer's device, size, dtype and type at the first read of a buffer,
-    `_LEAF`, its number, the view and the shape at each later one (leaves are numbered by first read, in the order
-    the reads were written: equal tokens read equal buffers where and only where they share one); `_INLINE` and a
+    `LEAF`, its number, the view and the shape at each later one (leaves are numbered by first read, in the order
+    the reads were written: equal tokens read equal buffers where and only where they share one); `INLINE` and a
     constant's value, dtype, device, shape and view (a constant base has no sources and is not traced: the scheduler
     writes its value into each kernel reading it);
   - `_FORCED` and a position: that base's `forced_realize` was set after its group was written (`force`);
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 MAX_TRACED = 50_000   # bases in one trace; beyond it the trace is dropped (tainted) until the next schedule
 LEAF = "leaf buffer"
-_NEW_LEAF = "first read of a leaf buffer"
+NEW_LEAF = "first read of a leaf buffer"
 INLINE = "inline constant"
 _FORCED = "forced realize"
 _EARLY = "base made before the trace"
@@ -129,9 +129,9 @@ def _write_reference(tokens: list[Any], trace: Trace, src: LazyBuffer, source: L
   if buffer is not None:
     leaf = trace.leaf_index.get(buffer)   # (Buffers compare and hash by identity)
     if leaf is None:
-      leaf = trace.leaf_index[buffer] = len(trace.leaves)
+      leaf = trace.leaf_index[buffer] = len(trace.leaf_index)
       trace.leaves.append(buffer)
-      tokens += (_NEW_LEAF, leaf, src.st, source.shape, buffer.device, buffer.size, buffer.dtype, type(buffer))
+      tokens += (NEW_LEAF, leaf, src.st, source.shape, buffer.device, buffer.size, buffer.dtype, type(buffer))
     else:
       tokens += (LEAF, leaf, src.st, source.shape)
     return None

@@ -200,5 +200,5 @@ def test_a_tool_calling_create_schedule_ends_the_trace():
   reader = made + 1
   trace = lazy_trace._trace[0]
   assert trace is not None and trace.position(made.lazydata.base) < 0 and trace.position(reader.lazydata.base) == 0
-  assert lazy_trace.describe(trace).count(lazy_trace._NEW_LEAF) == 1
+  assert lazy_trace.describe(trace).count(lazy_trace.NEW_LEAF) == 1
   lazy_trace.invalidate()
