@@ -135,15 +135,15 @@ class LazyBuffer:
       # a constant's tokens where a traced base reads it as a value (the scheduler writes it into the kernel)
       if op is CONST: base._inline = (lazy_trace.INLINE, lazy_trace.arg_token(arg), dtype, device, base.shape)
       return base
-    # the readers of the sources and the creation trace with the base's tokens, written out here rather than in the
-    # helpers (_add_reader, lazy_trace.record): every op built runs this, and each call of a helper costs more than
-    # its work. No lock (an uncontended lock cost more than the rest of this): see _prune_readers
+    # the readers of the sources and the creation trace with the base's tokens (lazy_trace.py), written out here
+    # rather than in helpers (_add_reader): every op built runs this, and each call of a helper costs more than its
+    # work. No lock (an uncontended lock cost more than the rest of this): see _prune_readers
     # (`src._base or src`: a LazyBuffer is always true, and this is one step shorter than the conditional)
     reference = weakref.ref(base)
     trace = _TRACE[0]
-    if trace is not None and trace.owner == _get_ident() and \
-        (position := len(traced := trace.bases)) < lazy_trace.MAX_TRACED:
-      # (record's common case: a trace of this thread, open and not full)
+    if trace is None: trace = _TRACE[0] = _new_trace()   # (the first base after a schedule: op1's every call)
+    if trace.owner == _get_ident() and (position := len(traced := trace.bases)) < lazy_trace.MAX_TRACED:
+      # (a trace of this thread, not full)
       base._trace_index = position
       traced.append(base)
       tokens = trace.tokens
@@ -183,8 +183,9 @@ class LazyBuffer:
       if source.op is not CONST:
         (readers := source._readers).append(reference)
         if len(readers) > source._readers_limit: _prune_readers(source)
-    base._trace_index = -1   # (record sets the position where it traces the base)
-    lazy_trace.record(base)
+    # not traced: the trace belongs to another thread or is full, and is dropped (tainted) until the next schedule
+    base._trace_index = -1
+    if trace.owner is not None: trace.taint()
     return base
 
   @staticmethod
@@ -740,7 +741,7 @@ class LazyBuffer:
 
 _new_lazy_buffer = object.__new__
 _TRACE = lazy_trace._trace   # (the one-item list holding the open trace: read at every base made)
-_get_ident = lazy_trace.get_ident
+_get_ident, _new_trace = lazy_trace.get_ident, lazy_trace.Trace
 _KEPT_ARG_TYPES = lazy_trace.KEPT_ARG_TYPES
 _LEAF, _NEW_LEAF = lazy_trace.LEAF, lazy_trace.NEW_LEAF
 

@@ -2,7 +2,7 @@
 so that a realize finds its graph's schedule (engine/schedule_cache.py) without walking the graph (issue 26).
 
 Making a base with sources appends it to the trace (its position: `LazyBuffer._trace_index`) and writes its tokens
-(create_base writes the common case out; `record` and `reference` are the general path). The tokens are a flat list,
+(create_base writes them out; `reference` describes a base made before the trace). The tokens are a flat list,
 one group per base, parsed unambiguously because every group and every reference starts with a token of its own
 kind:
   - a base: its op (an `Ops`, equal to no other token), arg, dtype, device and shape, then one reference per source;
@@ -96,23 +96,10 @@ def arg_token(arg: Any) -> Any:
   return arg if arg is None or (type(arg) in KEPT_ARG_TYPES and arg) else hashable_arg(arg)
 
 
-def record(base: LazyBuffer) -> None:
-  """Append a new base with sources to the trace and write its tokens (create_base writes the common case out: an
-  open trace of this thread, not full); a new trace starts here after a schedule."""
-  trace = _trace[0]
-  if trace is None: trace = _trace[0] = Trace()
-  bases = trace.bases
-  if trace.owner != get_ident() or len(bases) >= MAX_TRACED:
-    trace.taint()
-    return
-  base._trace_index = len(bases)
-  bases.append(base)
-  trace.tokens += (base.op, arg_token(base.arg), base.dtype, base.device, base.shape)
-  for src in base.srcs: reference(trace, src, src._base or src)
-
-
 def reference(trace: Trace, src: LazyBuffer, source: LazyBuffer) -> None:
-  """Write the reference to `src` (whose base is `source`) of the base whose group `trace.tokens` ends with."""
+  """Write the reference to `src` (whose base `source` is an unrealized base made before the trace, or a constant
+  forced into memory: create_base writes the other references out) of the base whose group `trace.tokens` ends
+  with, and the groups of the bases it appends."""
   early = _write_reference(trace.tokens, trace, src, source)
   if early is not None: _describe_early(trace, early)
 
