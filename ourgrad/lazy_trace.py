@@ -10,9 +10,10 @@ kind:
   - a reference: a base of the trace by its position (an int) and the view; `NEW_LEAF`, the leaf's number, the view,
     the source base's shape and the realized buffer's device, size, dtype and type at the first read of a buffer,
     `LEAF`, its number, the view and the shape at each later one (leaves are numbered by first read, in the order
-    the reads were written: equal tokens read equal buffers where and only where they share one); `INLINE` and a
-    constant's value, dtype, device, shape and view (a constant base has no sources and is not traced: the scheduler
-    writes its value into each kernel reading it);
+    the reads were written: equal tokens read equal buffers where and only where they share one); a constant's
+    tuple (`INLINE`, its value, dtype, device and shape: made once with the constant, `LazyBuffer._inline`) and the
+    view (a constant base has no sources and is not traced: the scheduler writes its value into each kernel reading
+    it; one forced into memory after a traced base inlined it taints the trace, `force`);
   - `_FORCED` and a position: that base's `forced_realize` was set after its group was written (`force`);
   - in `Trace.early`, after the groups above: `_EARLY`, a position, then a base's group with its forced-realize flag
     after the shape: a source that is an unrealized base made before the trace (a remembered constant graph such as
