@@ -97,7 +97,7 @@ class LazyBuffer:
   # slots, not a __dict__: a training step makes thousands of LazyBuffers, and each dict is one more object to
   # allocate and for the cyclic garbage collector to visit (a view sets only the first six)
   __slots__ = ("device", "st", "dtype", "shape", "_base", "_const", "op", "arg", "srcs", "realized", "forced_realize",
-               "_readers", "_readers_limit", "_storage", "_trace_index", "__weakref__")
+               "_readers", "_readers_limit", "_storage", "_trace_index", "_inline", "__weakref__")
 
   # ---------------------------------------------------------------- construction
 
@@ -132,24 +132,60 @@ class LazyBuffer:
     base._storage = None
     if not srcs:
       base._trace_index = -1   # its position in the creation trace (lazy_trace.py), -1: not traced
+      # a constant's tokens where a traced base reads it as a value (the scheduler writes it into the kernel)
+      if op is CONST: base._inline = (lazy_trace.INLINE, lazy_trace.arg_token(arg), dtype, device, base.shape)
       return base
-    # the readers of the sources and the creation trace, written out here rather than in the helpers (_add_reader,
-    # lazy_trace.record): every op built runs this, and each call of a helper costs more than its work. No lock (an
-    # uncontended lock cost more than the rest of this): see _prune_readers
+    # the readers of the sources and the creation trace with the base's tokens (lazy_trace.py), written out here
+    # rather than in helpers (_add_reader): every op built runs this, and each call of a helper costs more than its
+    # work. No lock (an uncontended lock cost more than the rest of this): see _prune_readers
     # (`src._base or src`: a LazyBuffer is always true, and this is one step shorter than the conditional)
     reference = weakref.ref(base)
+    trace = _TRACE[0]
+    if trace is None: trace = _TRACE[0] = _new_trace()   # (the first base after a schedule: op1's every call)
+    if trace.owner == _get_ident() and (position := len(traced := trace.bases)) < lazy_trace.MAX_TRACED:
+      # (a trace of this thread, not full)
+      base._trace_index = position
+      traced.append(base)
+      tokens = trace.tokens
+      tokens += (op, arg if arg is None or (type(arg) in _KEPT_ARG_TYPES and arg) else lazy_trace.hashable_arg(arg),
+                 dtype, device, base.shape)
+      for src in srcs:
+        source = src._base or src
+        # most sources are bases of this trace: their position (an index -1 reads this base, the last one). Their
+        # reader lists are not pruned here: a base of the trace gains readers only until the next schedule
+        # (MAX_TRACED at most); readers noted later, through the paths below, prune it
+        index = source._trace_index
+        if index < position and traced[index] is source:
+          source._readers.append(reference)
+          tokens += (index, src.st)
+          continue
+        if source.op is not CONST:   # (a constant is never written in place: see _add_reader)
+          (readers := source._readers).append(reference)
+          if len(readers) > source._readers_limit: _prune_readers(source)
+          # a realized source: a leaf, by its number (a new one at its first read in this trace)
+          buffer = source.realized
+          if buffer is not None:
+            leaf = (leaf_index := trace.leaf_index).get(buffer)   # (Buffers compare and hash by identity)
+            if leaf is None:
+              leaf = leaf_index[buffer] = len(leaf_index)
+              trace.leaves.append(buffer)
+              tokens += (_NEW_LEAF, leaf, src.st, source.shape, buffer.device, buffer.size, buffer.dtype, type(buffer))
+            else:
+              tokens += (_LEAF, leaf, src.st, source.shape)
+            continue
+        elif source.realized is None and not source.forced_realize:   # a constant only read: its value's tokens
+          tokens += (source._inline, src.st)
+          continue
+        lazy_trace.reference(trace, src, source)   # a base made before the trace (or a constant forced)
+      return base
     for src in srcs:
       source = src._base or src
-      if source.op is not CONST:   # (a constant is never written in place: see _add_reader)
+      if source.op is not CONST:
         (readers := source._readers).append(reference)
         if len(readers) > source._readers_limit: _prune_readers(source)
-    trace = _TRACE[0]
-    if trace is not None and not trace.tainted and (position := len(traced := trace.bases)) < lazy_trace.MAX_TRACED:
-      base._trace_index = position   # (record's common case: a trace open and not full)
-      traced.append(base)
-    else:
-      base._trace_index = -1   # (record sets the position where it traces the base)
-      lazy_trace.record(base)
+    # not traced: the trace belongs to another thread or is full, and is dropped (tainted) until the next schedule
+    base._trace_index = -1
+    if trace.owner is not None: trace.taint()
     return base
 
   @staticmethod
@@ -460,7 +496,7 @@ class LazyBuffer:
     # constant's base, which may be shared by many readers (`operand_constant`: one element is a contiguous view)
     base = self.base
     if self.reads_whole_base and (base.op is not CONST or base.realized is not None):
-      base.forced_realize = True
+      lazy_trace.force(base)   # (noted in the creation trace: the base's tokens were written without it)
       return self
     return LazyBuffer.create_base(self.device, self.shape, self.dtype, CONTIGUOUS, None, (self,))
 
@@ -705,6 +741,9 @@ class LazyBuffer:
 
 _new_lazy_buffer = object.__new__
 _TRACE = lazy_trace._trace   # (the one-item list holding the open trace: read at every base made)
+_get_ident, _new_trace = lazy_trace.get_ident, lazy_trace.Trace
+_KEPT_ARG_TYPES = lazy_trace.KEPT_ARG_TYPES
+_LEAF, _NEW_LEAF = lazy_trace.LEAF, lazy_trace.NEW_LEAF
 
 
 def _prune_readers(base: LazyBuffer) -> None:

@@ -1,75 +1,162 @@
-"""The creation trace: the list of lazy bases made since the last schedule, in creation order, so that a realize
-finds its graph's schedule (engine/schedule_cache.py) without walking the graph (issue 26).
+"""The creation trace: the lazy bases made since the last schedule, in creation order, each described as it is made,
+so that a realize finds its graph's schedule (engine/schedule_cache.py) without walking the graph (issue 26).
 
-Making a base with sources costs one append here (`record`: the base and its position, `LazyBuffer._trace_index`).
-A realize whose outputs are bases of the trace describes the trace in one pass over that list (`describe`): per base
-its op, arg, dtype, device, shape, forced-realize flag and source count, then per source a reference: `_LEAF`, the
-position of the source's realized buffer among the distinct buffers read (`Trace.leaves`; its device, size, dtype
-and type at its first read), the view and the base's shape; `_INLINE` and a constant's value, dtype, device, shape
-and view (a constant base has no sources and is not traced: the scheduler writes its value into each kernel reading
-it); or a traced base's position and the view. A source that is an unrealized base made before the trace (a
-remembered constant graph such as max pooling's window ranks, a value kept across a realize) is appended to the
-trace there and described in turn. The description is of the bases as they are at the realize, as the walk's key
-is: the list holds every unrealized base below the outputs, sources referenced by position, so equal descriptions
-mean the scheduler makes the same decisions, as equal walk keys do. Each base's position is checked in the pass
-(two threads appending at once make the trace inconsistent: that realize then walks its graph).
+Making a base with sources appends it to the trace (its position: `LazyBuffer._trace_index`) and writes its tokens
+(create_base writes them out; `reference` describes a base made before the trace). The tokens are a flat list,
+one group per base, parsed unambiguously because every group and every reference starts with a token of its own
+kind:
+  - a base: its op (an `Ops`, equal to no other token), arg, dtype, device and shape, then one reference per source;
+    its position is implied: the groups of `Trace.tokens` take the positions no `_EARLY` group names, in order;
+  - a reference: a base of the trace by its position (an int) and the view; `NEW_LEAF`, the leaf's number, the view,
+    the source base's shape and the realized buffer's device, size, dtype and type at the first read of a buffer,
+    `LEAF`, its number, the view and the shape at each later one (leaves are numbered by first read, in the order
+    the reads were written: equal tokens read equal buffers where and only where they share one); a constant's
+    tuple (`INLINE`, its value, dtype, device and shape: made once with the constant, `LazyBuffer._inline`) and the
+    view (a constant base has no sources and is not traced: the scheduler writes its value into each kernel reading
+    it; one forced into memory after a traced base inlined it taints the trace, `force`);
+  - `_FORCED` and a position: that base's `forced_realize` was set after its group was written (`force`);
+  - in `Trace.early`, after the groups above: `_EARLY`, a position, then a base's group with its forced-realize flag
+    after the shape: a source that is an unrealized base made before the trace (a remembered constant graph such as
+    max pooling's window ranks, a value kept across a realize), appended to the trace when a traced base first reads
+    it, and the bases like it that it reads in turn.
 
-The trace holds its bases (and through them their sources) until the next schedule takes it (`take`), which lets go
-of it before the copy-on-write decisions of assigns; bases a schedule itself makes go to a trace it drops
+Everything a group holds stays true until the next schedule: a base's op, arg, dtype, device, shape and sources never
+change outside a schedule, nor does whether a source is realized (only a schedule realizes bases and rewires
+sources, and it takes the trace first: `take`, `invalidate`), and a later forced realize is noted. So the tokens at
+a realize are what describing the bases then would give: equal tokens mean the scheduler makes the same decisions,
+as equal walk keys do (schedule_cache._structure), and `describe` only copies them.
+
+A trace belongs to the thread that started it (`owner`): a base made by another thread taints it (graphs two threads
+build at once would interleave their tokens), and a realize on another thread does not use it: that realize walks
+its graph. The trace holds its bases (and through them their sources) until the next schedule takes it, which lets
+go of it before the copy-on-write decisions of assigns; bases a schedule itself makes go to a trace it drops
 (`invalidate`). `MAX_TRACED` bounds it for a long run of graph building without a realize (then it is dropped and
 tainted until the next schedule).
 """
 from __future__ import annotations
 
 import math
+import threading
 from typing import TYPE_CHECKING, Any
 
+from ourgrad.dtype import DType
 from ourgrad.ops import CONST
 
 if TYPE_CHECKING:
   from ourgrad.lazy import LazyBuffer
 
 MAX_TRACED = 50_000   # bases in one trace; beyond it the trace is dropped (tainted) until the next schedule
-_LEAF = "leaf buffer"
-_INLINE = "inline constant"
+LEAF = "leaf buffer"
+NEW_LEAF = "first read of a leaf buffer"
+INLINE = "inline constant"
+_FORCED = "forced realize"
+_EARLY = "base made before the trace"
 PLAIN_ARG_TYPES = (type(None), int, bool, str)
-# the arg types a key holds as they are when true, the test describe makes of a base's arg and of an inlined constant
-# (a float zero is not: 0.0 and -0.0 are equal, hashable_arg tells them apart; a false value of the others comes back
-# from hashable_arg as it is)
-_PLAIN_TYPES = frozenset((*PLAIN_ARG_TYPES, float))
+# the arg types a key holds as they are when true, the test a base's arg and an inlined constant get (a float zero is
+# not: 0.0 and -0.0 are equal, hashable_arg tells them apart; a false value of the others comes back from hashable_arg
+# as it is; a DType compares and hashes by identity)
+KEPT_ARG_TYPES = frozenset((*PLAIN_ARG_TYPES, float, DType))
+get_ident = threading.get_ident
 
 
 class Trace:
-  """The bases made since the last schedule, in creation order; after `describe`, its tokens and the distinct
-  realized buffers they read."""
-  __slots__ = ("bases", "tainted", "tokens", "leaves", "leaf_index")
+  """The bases made since the last schedule, in creation order, with their tokens and the distinct realized buffers
+  they read."""
+  __slots__ = ("bases", "owner", "tokens", "early", "leaves", "leaf_index")
 
   def __init__(self) -> None:
     self.bases: list[LazyBuffer] = []
-    self.tainted = False
-    self.tokens: tuple = ()
-    self.leaves: list[Any] = []            # distinct realized Buffers read, in first-read order (describe)
-    self.leaf_index: dict[Any, int] = {}   # Buffer -> position in leaves
+    self.owner: int | None = get_ident()   # the thread building it; None: tainted (bases made now are not traced)
+    self.tokens: list[Any] = []            # the groups of the bases made since the trace started (module docstring)
+    self.early: list[Any] = []             # the groups of bases made before it, appended as they were first read
+    self.leaves: list[Any] = []            # distinct realized Buffers read, by leaf number
+    self.leaf_index: dict[Any, int] = {}   # Buffer -> leaf number
 
   def position(self, base: LazyBuffer) -> int:
     """The position of `base` in this trace, -1 if it is not traced here."""
     index = base._trace_index
     return index if 0 <= index < len(self.bases) and self.bases[index] is base else -1
 
+  @property
+  def tainted(self) -> bool: return self.owner is None
+
+  @tainted.setter
+  def tainted(self, value: bool) -> None:
+    if value: self.taint()
+
+  def taint(self) -> None:
+    """Drop what the trace holds; no base is traced until the next schedule starts a new trace."""
+    self.owner, self.bases, self.tokens, self.early, self.leaves, self.leaf_index = None, [], [], [], [], {}
+
 
 _trace: list[Trace | None] = [None]   # None: no base made since the last schedule
 
 
-def record(base: LazyBuffer) -> None:
-  """Append a new base with sources to the trace (every op made runs this)."""
-  trace = _trace[0]
-  if trace is None: trace = _trace[0] = Trace()
+def arg_token(arg: Any) -> Any:
+  """A base's arg as its token (hashable_arg, without the call for most args)."""
+  return arg if arg is None or (type(arg) in KEPT_ARG_TYPES and arg) else hashable_arg(arg)
+
+
+def reference(trace: Trace, src: LazyBuffer, source: LazyBuffer) -> None:
+  """Write the reference to `src` (whose base `source` is an unrealized base made before the trace, or a constant
+  forced into memory: create_base writes the other references out) of the base whose group `trace.tokens` ends
+  with, and the groups of the bases it appends."""
+  early = _write_reference(trace.tokens, trace, src, source)
+  if early is not None: _describe_early(trace, early)
+
+
+def _write_reference(tokens: list[Any], trace: Trace, src: LazyBuffer, source: LazyBuffer) -> LazyBuffer | None:
+  """Append the reference to `src` (base `source`) to `tokens`; returns `source` where it is an unrealized base made
+  before the trace that this appended to it (its `_EARLY` group is still to be written), else None."""
   bases = trace.bases
-  if len(bases) >= MAX_TRACED or trace.tainted:
-    trace.tainted, trace.bases = True, []   # (what it held is let go of)
-    return
-  base._trace_index = len(bases)
-  bases.append(base)
+  index = source._trace_index
+  if 0 <= index < len(bases) and bases[index] is source:   # a base of this trace (never realized: docstring)
+    tokens += (index, src.st)
+    return None
+  buffer = source.realized
+  if buffer is not None:
+    leaf = trace.leaf_index.get(buffer)   # (Buffers compare and hash by identity)
+    if leaf is None:
+      leaf = trace.leaf_index[buffer] = len(trace.leaf_index)
+      trace.leaves.append(buffer)
+      tokens += (NEW_LEAF, leaf, src.st, source.shape, buffer.device, buffer.size, buffer.dtype, type(buffer))
+    else:
+      tokens += (LEAF, leaf, src.st, source.shape)
+    return None
+  if source.op is CONST and not source.srcs and not source.forced_realize:   # a constant only read
+    tokens += (source._inline, src.st)
+    return None
+  index = source._trace_index = len(bases)   # made before the trace (or a constant forced into memory)
+  bases.append(source)
+  tokens += (index, src.st)
+  return source
+
+
+def _describe_early(trace: Trace, first: LazyBuffer) -> None:
+  """Write the `_EARLY` groups of `first` (just appended to the trace) and of the bases made before the trace that
+  it reads and that are not in it yet (appended in turn): a loop over what is due, no recursion."""
+  early, due = trace.early, [first]
+  while due:
+    base = due.pop()
+    early += (_EARLY, base._trace_index, base.op, arg_token(base.arg), base.dtype, base.device, base.shape,
+              base.forced_realize)
+    for src in base.srcs:
+      more = _write_reference(early, trace, src, src._base or src)
+      if more is not None: due.append(more)
+
+
+def force(base: LazyBuffer) -> None:
+  """Set `base.forced_realize` (contiguous(), a realize of a view), noted in the open trace where the base's group
+  was written without it. A constant read as a value by bases already described (not traced, unrealized) taints
+  the trace: their tokens inlined it."""
+  if base.forced_realize: return
+  base.forced_realize = True
+  trace = _trace[0]
+  if trace is None or trace.owner is None: return
+  position = trace.position(base)
+  if trace.owner != get_ident(): trace.taint()
+  elif position >= 0: trace.tokens += (_FORCED, position)
+  elif base.realized is None and base.op is CONST: trace.taint()
 
 
 def invalidate() -> None:
@@ -104,54 +191,8 @@ def hashable_arg(arg: Any) -> Any:
 
 
 def describe(trace: Trace) -> tuple | None:
-  """The trace's tokens (the module docstring), also kept as `trace.tokens` with `leaves` and `leaf_index`; None if
-  the trace is inconsistent (a base not at its position: graphs two threads built at once). One loop over the list,
-  which grows as bases made before the trace are appended."""
-  bases = trace.bases
-  tokens: list[Any] = []
-  extend = tokens.extend
-  leaves: list[Any] = []
-  leaf_index: dict[Any, int] = {}
-  count = len(bases)   # (grows as bases made before the trace are appended: the loop reaches them too)
-  plain = _PLAIN_TYPES
-  for position, base in enumerate(bases):
-    if base._trace_index != position: return None
-    arg, srcs = base.arg, base.srcs
-    # (most args are None or a nonzero int or float: no call to hashable_arg)
-    extend((base.op, arg if arg is None or (type(arg) in plain and arg) else hashable_arg(arg), base.dtype,
-            base.device, base.shape, base.forced_realize, len(srcs)))
-    for src in srcs:
-      src_base = src._base or src   # (a view's base; a base is its own: LazyBuffers are always true)
-      index = src_base._trace_index
-      # most sources are bases of this trace, which are never realized (only a schedule realizes bases, and it takes
-      # the trace first): tested first, the realized check only confirms it. An index is -1 (not traced) or a
-      # position, of this trace or an earlier one: -1 reads the last base, which holds its own position (>= 0, the
-      # check above, met there or still to come), so it never passes for a base that is not at that position
-      if index < count and bases[index] is src_base and src_base.realized is None:
-        extend((index, src.st))
-        continue
-      buffer = src_base.realized
-      if buffer is not None:
-        leaf = leaf_index.get(buffer)   # (Buffers compare and hash by identity)
-        if leaf is None:
-          leaf = leaf_index[buffer] = len(leaves)
-          leaves.append(buffer)
-          extend((_LEAF, leaf, src.st, src_base.shape, buffer.device, buffer.size, buffer.dtype, type(buffer)))
-        else:
-          extend((_LEAF, leaf, src.st, src_base.shape))
-        continue
-      if index < 0 or index >= count or bases[index] is not src_base:
-        if src_base.op is CONST and not src_base.srcs and not src_base.forced_realize:   # a constant only read
-          value = src_base.arg
-          # (most values are nonzero numbers; a false one goes through hashable_arg, which keeps None, 0 and False
-          # as they are and tells 0.0 from -0.0)
-          extend((_INLINE, value if type(value) in plain and value else hashable_arg(value), src_base.dtype,
-                  src_base.device, src_base.shape, src.st))
-          continue
-        # a lazy base made before the trace (or a constant forced into memory): described after the ones listed
-        index = src_base._trace_index = count
-        bases.append(src_base)
-        count += 1
-      extend((index, src.st))
-  trace.tokens, trace.leaves, trace.leaf_index = (described := tuple(tokens)), leaves, leaf_index
-  return described
+  """The trace's tokens (the module docstring: written as its bases were made), then its `_EARLY` groups, as one
+  tuple; None where the trace belongs to another thread (its graph is walked)."""
+  if trace.owner != get_ident(): return None
+  early = trace.early
+  return tuple(trace.tokens + early) if early else tuple(trace.tokens)

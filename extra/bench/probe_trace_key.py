@@ -1,7 +1,7 @@
 """The schedule cache's key of a repeated eager step, timed alone: lazy_trace.describe (the creation trace's
 description) and schedule_cache._structure (the graph walk) on the very trace and outputs of a training step's
-realize, each called many times, the fastest call (a shared machine's noise only ever adds; the describe figure
-includes resetting the copied trace's positions, a few us). Compare key
+realize, each called many times, the fastest call (a shared machine's noise only ever adds; since session 22 describe
+only copies the tokens written as the bases were made). Compare key
 schemes by these times, not by bytecode counts: under Python 3.11's specializing interpreter a loop of attribute
 loads and calls beats map() over attrgetters (session 17 measured a C-loop describe with a third of the bytecodes at
 2x the time).
@@ -43,14 +43,9 @@ def probe(name: str, make: Callable[[str, int], Callable[[], Any]], device: str,
     if "bases" not in caught:
       caught["bases"], caught["outs"] = list(trace.bases), list(outs)
       # (timed before the realize goes on: the bases are unrealized and the walk sees the graph as it is)
-      def describe() -> None:
-        copy = lazy_trace.Trace()
-        copy.bases = list(caught["bases"])
-        for position, base in enumerate(copy.bases): base._trace_index = position
-        assert lazy_trace.describe(copy)
-      caught["describe"] = best_us(describe, calls)
+      # (describe copies the tokens written as the bases were made, session 22: it changes nothing it reads)
+      caught["describe"] = best_us(lambda: lazy_trace.describe(trace), calls)
       caught["walk"] = best_us(lambda: schedule_cache._structure(caught["outs"]), calls)
-      for position, base in enumerate(trace.bases): base._trace_index = position
     return trace_key(trace, outs, settings)
   schedule_cache._trace_tokens = catching
   try:

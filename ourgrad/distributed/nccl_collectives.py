@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 from ourgrad.device import Buffer, Device
 from ourgrad.distributed import nccl
+from ourgrad import lazy_trace
 from ourgrad.helpers import env_var, prod
 from ourgrad.lazy import LazyBuffer
 
@@ -37,7 +38,7 @@ def realized_pointer(buffer: LazyBuffer) -> int:
   from ourgrad.engine.schedule_cache import schedule
   lazy = buffer if buffer.reads_whole_base else buffer.contiguous()
   if lazy.base.realized is None:
-    lazy.base.forced_realize = True
+    lazy_trace.force(lazy.base)
     run_schedule(schedule([lazy]))
   return int(lazy.base.realized.handle)
 

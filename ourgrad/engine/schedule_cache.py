@@ -11,7 +11,7 @@ are marked realized as create_schedule does; each item keeps its lowering and Ex
 (schedule_item.LoweringMemo, engine/realize.py).
 
 A realize whose outputs were made since the last schedule skips the walk: the creation trace (ourgrad/lazy_trace.py)
-lists those bases in creation order, and its description (the same facts, written in one loop over the list) and the
+lists those bases in creation order, and its description (the same facts, written as each base was made) and the
 outputs' positions in it are the key (`_traced`, each entry the walk's schedule in the trace's positions:
 `_in_trace_terms`).
 """
@@ -300,7 +300,8 @@ def _trace_tokens(trace: lazy_trace.Trace, outs: Sequence[LazyBuffer], settings:
   for out in outs:
     base = out._base or out
     # (Trace.position without the call: a base of this trace is at its position; an index is -1 or a position, and
-    # -1 reads the last base, which describe checks holds its own position: lazy_trace.describe)
+    # -1 reads the last base, which holds its own position: a trace's bases are appended at their positions by the
+    # one thread that owns it, lazy_trace.py)
     index = base._trace_index
     if index >= count or bases[index] is not base or base.realized is not None: return None
     references += (index, out.st)
