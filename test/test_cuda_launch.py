@@ -195,3 +195,26 @@ def test_a_positional_launch_rewrites_only_the_slots_whose_buffer_changed(progra
   assert [values for _, _, values in recorder.launches] == [(0x100, 0x200, 0x300)] * 3 + [(0x100, 0x400, 0x300)]
   assert recorder.launches[0][:2] == ((2, 1, 1), (32, 1, 1))
   assert (a.conversions, b.conversions, c.conversions, d.conversions) == (1, 1, 1, 1)
+
+
+def test_a_positional_launch_allocates_a_buffer_without_memory_and_rebinds_only_then(program, monkeypatch):
+  """The launcher compares the buffers' handles with the last launch's as one list: a buffer with no memory yet is
+  allocated (once) and its slot written; equal handles on new buffer objects write nothing."""
+  recorder = LaunchRecorder(count=2)
+  monkeypatch.setattr(driver, "cuLaunchKernel", recorder)
+  allocations = []
+
+  class FakeBuffer:
+    def __init__(self, handle): self._handle = handle
+
+    def allocate(self):
+      allocations.append(self)
+      self._handle = driver.CUdeviceptr(0x900)
+      return self
+  source = driver.CUdeviceptr(0x500)
+  launch = program.positional_launcher((1, 1, 1), (4, 1, 1))
+  fresh = FakeBuffer(None)
+  launch([fresh, FakeBuffer(source)])
+  launch([FakeBuffer(fresh._handle), FakeBuffer(source)])
+  assert len(allocations) == 1
+  assert [values for _, _, values in recorder.launches] == [(0x900, 0x500)] * 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import os
 import shutil
 import subprocess
@@ -467,6 +468,10 @@ class CUDAProgram:
     return milliseconds / 1e3
 
 
+# a buffer's handle (None before it is allocated)
+_handle_of = operator.attrgetter("_handle")
+
+
 class PositionalLaunch:
   """One ExecItem's launches of a kernel: `launch(buffers)` passes each buffer's memory in its argument position. The
   argument arrays are its own (no lock) and persist from launch to launch; a slot is rewritten only where its
@@ -492,6 +497,14 @@ class PositionalLaunch:
                                          ctypes.addressof(self.pointers), 0)
 
   def __call__(self, buffers: list[Any]) -> None:
+    # the buffers' handles read in C and compared with the last launch's as one list (identity first: the allocator
+    # hands the same handle objects back); a slot is rewritten, a buffer allocated, only where they differ
+    if list(map(_handle_of, buffers)) != self.handles: self._rebind(buffers)
+    (status,) = self.call_driver()
+    if status is not CUDA_SUCCESS: check((status,), f"cuLaunchKernel({self.program.name})")
+
+  def _rebind(self, buffers: list[Any]) -> None:
+    """Point the argument slots at `buffers`' memory (allocating a buffer that has none yet)."""
     if len(self.handles) != len(buffers) or self.call_driver is None: self._make_arrays(len(buffers))
     handles, arguments = self.handles, self.arguments
     for index, buffer in enumerate(buffers):
@@ -500,8 +513,6 @@ class PositionalLaunch:
       if handle is not handles[index]:
         arguments[index] = int(handle)
         handles[index] = handle
-    (status,) = self.call_driver()
-    if status is not CUDA_SUCCESS: check((status,), f"cuLaunchKernel({self.program.name})")
 
 
 def programmatic_edge(early: bool) -> Any:
