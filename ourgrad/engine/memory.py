@@ -16,8 +16,6 @@ import sys
 import sysconfig
 from sys import getrefcount
 from collections import Counter, defaultdict
-from itertools import compress, repeat
-from operator import and_, attrgetter, is_, sub
 from typing import Any, Callable, Sequence
 
 from ourgrad.device import Buffer, Device, new_buffer
@@ -174,9 +172,6 @@ def _calibrate() -> int | None:
 _COUNTING_REFERENCES = _calibrate()
 
 
-_handle_of = attrgetter("_handle")
-
-
 class PoolMemory:
   """What planning the memory of a replayed cached schedule needs to know of its pool of distinct buffers
   (schedule_item.ReplayedSchedule), taken once per cached schedule: every replay builds its items from a pool of the
@@ -201,12 +196,9 @@ class PoolMemory:
     return self._unheld(pool, _POOL_COUNTING)
 
   def _unheld(self, pool: Sequence[Buffer], counting: int) -> tuple[int, ...]:
-    # all in C (maps, no loop in Python over a step's written slots): each written slot's buffer, whether its
-    # references beyond its holders' are `counting` (which counts this list's and the call's own: calibrated by calling
-    # this, _calibrate_pool) and whether it has no memory yet
-    buffers = list(map(pool.__getitem__, self.written))
-    unheld = map(counting.__eq__, map(sub, map(getrefcount, buffers), self.holders))
-    return tuple(compress(self.written, map(and_, unheld, map(is_, map(_handle_of, buffers), repeat(None)))))
+    # (a list comprehension: a generator would be resumed once per slot)
+    return tuple([slot for slot, holders in zip(self.written, self.holders)
+                  if getrefcount(pool[slot]) - holders == counting and pool[slot]._handle is None])
 
 
 class _Unallocated:
