@@ -5,7 +5,7 @@ import numpy as np
 
 import ourgrad.engine.schedule_cache as schedule_cache
 from ourgrad import Tensor, TinyJit, dtypes
-from ourgrad.engine.schedule_item import ScheduleItem, replayed_item, replayed_items
+from ourgrad.engine.schedule_item import ScheduleItem, replayed_item
 from ourgrad.helpers import GlobalCounters, clear_caches
 
 
@@ -59,19 +59,14 @@ def test_the_last_traced_schedule_stays_the_most_recent_entry_under_eviction(mon
 def test_replayed_items_are_schedule_items():
   item = ScheduleItem("ast", (1,), (2, 3))
   made = replayed_item("ast", (1,), (2, 3), None)
-  # (the many-item form, made by maps: each item as the one-item form makes it, in order)
-  many = replayed_items(["other", "ast"], iter([(4,), (1,)]), iter([(), (2, 3)]), iter(["memo", None]))
-  assert many[1] == item and many[0] == ScheduleItem("other", (4,), ()) and many[0].lowering == "memo"
-  for made in (made, many[1]):
-    assert type(made) is ScheduleItem and made == item and hash(made) == hash(item)
-    assert (made.ast, made.outputs, made.inputs, made.lowering, made.bufs) == ("ast", (1,), (2, 3), None, (1, 2, 3))
-    try:
-      made.ast = "other"
-    except AttributeError:
-      pass
-    else:
-      raise AssertionError("a replayed item must stay frozen")
-  assert replayed_items([], iter([]), iter([]), iter([])) == []
+  assert type(made) is ScheduleItem and made == item and hash(made) == hash(item)
+  assert (made.ast, made.outputs, made.inputs, made.lowering, made.bufs) == ("ast", (1,), (2, 3), None, (1, 2, 3))
+  try:
+    made.ast = "other"
+  except AttributeError:
+    pass
+  else:
+    raise AssertionError("a replayed item must stay frozen")
 
 
 def test_one_replayed_kernel_counts_once_and_a_recording_jit_still_sees_it():
@@ -97,7 +92,7 @@ def test_a_replayed_kernel_launched_by_the_schedule_cache_makes_no_schedule_item
   a constant changed between realizes; after each, the output's lazy base holds its buffer and its sources are
   dropped, as a replay leaves them)."""
   made = []
-  monkeypatch.setattr(schedule_cache, "replayed_items", lambda *args: made.append(args) or replayed_items(*args))
+  monkeypatch.setattr(schedule_cache, "replayed_item", lambda *args: made.append(args) or replayed_item(*args))
   rng = np.random.default_rng(21)
   for step in range(8):
     values = rng.standard_normal(7).astype(np.float32)
@@ -178,8 +173,8 @@ def test_a_replayed_kernel_with_two_outputs_launches_from_the_cache_and_gives_bo
   cache (no ScheduleItem) on two fresh buffers, in the bases' order, and both results match numpy as inputs change."""
   from ourgrad.engine import realize
   made = []
-  original = schedule_cache.replayed_items
-  schedule_cache.replayed_items = lambda *args: made.append(args) or original(*args)
+  original = schedule_cache.replayed_item
+  schedule_cache.replayed_item = lambda *args: made.append(args) or original(*args)
   try:
     rng = np.random.default_rng(23)
     for step in range(5):
@@ -192,7 +187,7 @@ def test_a_replayed_kernel_with_two_outputs_launches_from_the_cache_and_gives_bo
       np.testing.assert_allclose(a.numpy(), values + 1, rtol=1e-6)
       np.testing.assert_allclose(b.numpy(), values * 2, rtol=1e-6)
   finally:
-    schedule_cache.replayed_items = original
+    schedule_cache.replayed_item = original
   assert not made[2:] and realize.launch_one is not None
 
 

@@ -28,7 +28,7 @@ from ourgrad.device import Buffer, Device, allocated_buffer, new_buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.engine.memory import PoolMemory
-from ourgrad.engine.schedule_item import LoweringMemo, ReplayedSchedule, replayed_items
+from ourgrad.engine.schedule_item import LoweringMemo, ReplayedSchedule, replayed_item
 from ourgrad.helpers import (ELEMENT_REDUCES, GRAPH, KERNEL_OPS_LIMIT, MAX_PACK_BUFFERS, PACK_KERNELS, RIDE_ALONG,
                              ROW_KERNELS, SPLIT_LAST_BLOCK, EnvSnapshot, env_var, register_cache_clearer, tf32_allowed)
 from ourgrad.lazy import LazyBuffer
@@ -439,9 +439,9 @@ def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer
   if cached.shared:
     for index, slot in cached.shared: bases[index].realized = pool[slot]
   any(map(setattr, map(bases.__getitem__, cached.cleared), repeat("srcs"), repeat(())))
-  # each item's slots read from the pool into tuples, and the items made, by maps in C (no loop in Python per item)
-  take = repeat(pool.__getitem__)
-  items = ReplayedSchedule(replayed_items(cached.asts, map(tuple, map(map, take, cached.output_slots)),
-                                          map(tuple, map(map, take, cached.input_slots)), cached.lowerings))
+  take = pool.__getitem__
+  # (a list comprehension: a generator would be resumed once per item)
+  items = ReplayedSchedule([replayed_item(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
+                            for ast, outputs, inputs, lowering in cached.items])
   items.pool, items.memory, items.launches = pool, cached.memory, cached.launches
   return items

@@ -7,8 +7,7 @@ imports it at the top.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import repeat
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from ourgrad.device import Buffer
 from ourgrad.ops import LazyOp
@@ -71,17 +70,3 @@ def replayed_item(ast: LazyOp, outputs: tuple[Buffer, ...], inputs: tuple[Buffer
   item = _new_object(ScheduleItem)
   _set_attribute(item, "__dict__", {"ast": ast, "outputs": outputs, "inputs": inputs, "lowering": lowering})
   return item
-
-
-_ITEM_FIELDS = ("ast", "outputs", "inputs", "lowering")
-
-
-def replayed_items(asts: Sequence[LazyOp], outputs: Iterable[tuple[Buffer, ...]], inputs: Iterable[tuple[Buffer, ...]],
-                   lowerings: Iterable[LoweringMemo | None]) -> list[ScheduleItem]:
-  """[replayed_item(*fields) for fields in zip(asts, outputs, inputs, lowerings)], made by maps in C: the objects, then
-  each one's field dict set (any() runs the map: setting an attribute returns None). A replayed schedule of a training
-  step makes a hundred items at every realize, where a loop calling replayed_item costs a Python frame each."""
-  items = list(map(_new_object, repeat(ScheduleItem, len(asts))))
-  fields = map(dict, map(zip, repeat(_ITEM_FIELDS), zip(asts, outputs, inputs, lowerings)))
-  any(map(_set_attribute, items, repeat("__dict__"), fields))
-  return items
