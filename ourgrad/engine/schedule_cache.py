@@ -18,7 +18,6 @@ outputs' positions in it are the key (`_traced`, each entry the walk's schedule 
 from __future__ import annotations
 
 from collections import OrderedDict
-from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -94,10 +93,9 @@ class CachedSchedule:
   # _launch_replay launches without a ScheduleItem
   one_kernel: bool = field(init=False, repr=False)
   memory: PoolMemory = field(init=False, repr=False)   # its pool's written slots and recorded memory plans
-  # `fresh` and then `scratch` as a replay makes their buffers: their devices' allocators (looked up once), devices,
-  # sizes and dtypes, four columns (device.new_buffer's arguments, mapped over); and the fresh ones' walked bases
-  buffer_columns: tuple[tuple[Any, ...], ...] = field(init=False, repr=False)
-  fresh_bases: tuple[int, ...] = field(init=False, repr=False)
+  # `fresh` and `scratch` as a replay makes their buffers: (walked base, or -1 for a scratch one, the device's
+  # allocator, device, size, dtype) each, the allocator looked up once (device.new_buffer)
+  new_buffers: tuple[tuple[int, Any, str, int, Any], ...] = field(init=False, repr=False)
   # how _launch_replay builds a one-kernel replay's buffers (_LaunchPlan), made at its first launch; None until then
   launch_plan: _LaunchPlan | None = field(init=False, repr=False, default=None)
   # where engine/realize.py keeps the items' launchers once all were lowered (ReplayedSchedule.launches)
@@ -109,10 +107,8 @@ class CachedSchedule:
     self.memory = PoolMemory(self.output_slots, self.input_slots)
     self.one_kernel = len(self.asts) == 1 and self.asts[0].op is not Ops.COPY and not self.assigns and \
       not self.shared and not self.scratch
-    specs = [(Device[device].allocator, device, size, dtype) for _, device, size, dtype in self.fresh] + \
-      [(Device[device].allocator, device, size, dtype) for device, size, dtype in self.scratch]
-    self.buffer_columns = tuple(zip(*specs)) if specs else ((), (), (), ())
-    self.fresh_bases = tuple(index for index, _, _, _ in self.fresh)
+    self.new_buffers = tuple((index, Device[device].allocator, device, size, dtype)
+                             for index, device, size, dtype in [*self.fresh, *((-1, *spec) for spec in self.scratch)])
 
 
 _cache: OrderedDict[_Key, CachedSchedule] = OrderedDict()
@@ -415,9 +411,11 @@ def _launch_replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list
   recording): nothing was launched, and _replay gives the bases other buffers."""
   plan = cached.launch_plan
   if plan is None: plan = cached.launch_plan = _launch_plan(cached, len(leaves))
-  # (one_kernel: fresh buffers only; each given to its base by setattr mapped in C, no loop in Python)
-  buffers = list(map(allocated_buffer, *cached.buffer_columns))
-  any(map(setattr, map(bases.__getitem__, cached.fresh_bases), repeat("realized"), buffers))
+  buffers = []
+  append = buffers.append
+  for index, allocator, device, size, dtype in cached.new_buffers:   # (one_kernel: fresh ones only)
+    buffer = bases[index].realized = allocated_buffer(allocator, device, size, dtype)
+    append(buffer)
   if plan.direct: buffers += map(leaves.__getitem__, plan.inputs)
   else:
     pool = leaves + buffers
@@ -429,16 +427,18 @@ def _launch_replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list
 
 
 def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer]) -> list[ScheduleItem]:
-  made = list(map(new_buffer, *cached.buffer_columns))   # the fresh buffers, then the scratch ones
-  pool = leaves + made
-  # the fresh ones given to their bases, the cleared bases' sources dropped: setattr mapped in C (any() runs the map:
-  # setattr returns None), no loop in Python over a step's hundred bases
-  any(map(setattr, map(bases.__getitem__, cached.fresh_bases), repeat("realized"), made))
+  pool = list(leaves)
+  append = pool.append
+  # the fresh buffers, then the scratch ones (no base: -1)
+  for index, allocator, device, size, dtype in cached.new_buffers:
+    buffer = new_buffer(allocator, device, size, dtype)
+    if index >= 0: bases[index].realized = buffer
+    append(buffer)
   # an assign writes a leaf's buffer, or the buffer of an earlier assign of this graph (a chain), a packed attention
   # dK/dV op the dQ op's: all in the pool
   if cached.shared:
     for index, slot in cached.shared: bases[index].realized = pool[slot]
-  any(map(setattr, map(bases.__getitem__, cached.cleared), repeat("srcs"), repeat(())))
+  for index in cached.cleared: bases[index].srcs = ()
   take = pool.__getitem__
   # (a list comprehension: a generator would be resumed once per item)
   items = ReplayedSchedule([replayed_item(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
