@@ -393,33 +393,27 @@ class Buffer:
   def __repr__(self) -> str: return f"<Buffer {self.device} {self.size} {self.dtype}>"
 
 
-_new_object, _set_attribute = object.__new__, object.__setattr__
-
-
 def new_buffer(allocator: Allocator, device: str, size: int, dtype: DType) -> Buffer:
-  """Buffer(device, size, dtype), its memory not taken yet, `allocator` being Device[device]'s (allocate takes it from
-  there) and `size` an int, in one step: a replayed schedule (engine/schedule_cache.py) makes one for each buffer it
-  realizes, a few dozen a training step."""
-  buffer = _new_object(Buffer)
-  _set_attribute(buffer, "__dict__", {"device": device, "size": size, "dtype": dtype, "_handle": None,
-                                      "_backing": None, "_pointer": None, "_allocator": allocator})
+  """Buffer(device, size, dtype) with its device's allocator named (`allocator`, Device[device]'s): allocate takes its
+  memory there without looking the device up. A replayed schedule (engine/schedule_cache.py) makes one for each
+  buffer it realizes, with the allocators it looked up once. (Made by the constructor: an object whose __dict__ is
+  set whole costs twice as much to make and more at each attribute read, Python 3.11.)"""
+  buffer = Buffer(device, size, dtype)
+  buffer._allocator = allocator
   return buffer
 
 
 def allocated_buffer(allocator: Allocator, device: str, size: int, dtype: DType) -> Buffer:
-  """Buffer(device, size, dtype).allocate() in one step, `allocator` being Device[device]'s and `size` an int: the
-  schedule cache's one-kernel replays make one for each buffer they realize at every eager realize
-  (engine/schedule_cache.py _launch_replay), where the constructor, the device's lookup and allocate's checks and
-  lock would be half of what the memory costs."""
-  handle = allocator.alloc_counted(size * dtype.itemsize)
-  pointer = None
+  """new_buffer(...).allocate() in one step: its memory from `allocator` (Device[device]'s) in one locked call, the
+  counting included, where allocate would take the lock twice. The schedule cache's one-kernel replays
+  (engine/schedule_cache.py _launch_replay) make one for each buffer they realize, at every small eager realize."""
+  buffer = Buffer(device, size, dtype)
+  handle = buffer._handle = allocator.alloc_counted(size * dtype.itemsize)
+  buffer._allocator = allocator
   pointers = allocator.pointers
   if pointers is not None:   # (a host array's address, as allocate remembers it)
     entry = pointers.get(id(handle))
-    if entry is not None and entry[0] is handle: pointer = entry[1]
-  buffer = _new_object(Buffer)
-  _set_attribute(buffer, "__dict__", {"device": device, "size": size, "dtype": dtype, "_handle": handle,
-                                      "_backing": None, "_pointer": pointer, "_allocator": allocator})
+    if entry is not None and entry[0] is handle: buffer._pointer = entry[1]
   return buffer
 
 

@@ -8,7 +8,6 @@ where anything is launched, so it is also the one place where
 """
 from __future__ import annotations
 
-import operator
 import os
 import time
 from contextlib import contextmanager
@@ -19,10 +18,6 @@ from ourgrad.device import Buffer, Device, HostProgram
 from ourgrad.engine.profile import profiler
 from ourgrad.helpers import DEBUG, PROFILE, GlobalCounters, colored, environ_lookup
 from ourgrad.shape.symbolic import sym_infer
-
-
-# a host buffer's address as Buffer.host_pointer remembers it (None until it was made)
-_remembered_pointer = operator.attrgetter("_pointer")
 
 
 class Runner:
@@ -66,11 +61,9 @@ class CompiledRunner(Runner):
       runner = self
 
       def launch_host(buffers: list[Buffer]) -> None:   # (host_function read at launch: a tool may swap it)
-        # each buffer's remembered address, read in C (no comprehension's frame); a buffer that has none yet (not
-        # allocated, or moved onto planned memory) makes it
-        pointers = tuple(map(_remembered_pointer, buffers))
-        if None in pointers: pointers = tuple(buffer._pointer or buffer.host_pointer() for buffer in buffers)
-        runner.host_function(*pointers)
+        # (a buffer's remembered address first: no method call; an address is never 0, so a pointer is true. A list
+        # comprehension: reading the attribute by map and attrgetter was measured slower, Python 3.11)
+        runner.host_function(*[buffer._pointer or buffer.host_pointer() for buffer in buffers])
       return launch_host
     positional = getattr(self.program, "positional_launcher", None)
     if positional is not None: return positional(self.global_size, self.local_size)
