@@ -247,3 +247,27 @@ def test_a_replayed_schedule_launched_whole_counts_as_item_by_item(monkeypatch):
     if round_ == 0: clear_caches()
   assert len(set(counted)) == 1 and counted[0][0] == 3
   assert whole.count(True) >= 4 and False in whole   # (the first replays after each lowering go item by item)
+
+
+def test_a_replayed_schedule_with_a_copy_is_launched_item_by_item_and_checked_once(monkeypatch):
+  """A replayed schedule holding a copy (to another device) never launches whole: launch_all refuses, remembers that
+  for the cached schedule (no check of every item at each realize), and the values are right at every replay."""
+  from ourgrad.engine import realize
+  from ourgrad.engine.schedule_item import ReplayedSchedule
+  monkeypatch.setenv("EAGER_CAPTURE", "0")
+  answers, kept = [], []
+  original = realize.launch_all
+
+  def watch(schedule: ReplayedSchedule, generation: int) -> bool:
+    answers.append(original(schedule, generation))
+    kept.append(schedule.launches[0])
+    return answers[-1]
+  monkeypatch.setattr(realize, "launch_all", watch)
+  rng = np.random.default_rng(25)
+  for _ in range(5):
+    values = rng.standard_normal(6).astype(np.float32)
+    x = Tensor(values, device="CLANG").realize()
+    out = ((x * 2).contiguous().to("PYTHON") + 1).contiguous() * 3
+    np.testing.assert_allclose(out.numpy(), (values * 2 + 1) * 3, rtol=1e-6)
+  assert answers and not any(answers)
+  assert kept[-1] is not None and kept[-1][2] is None   # (the refusal remembered)

@@ -381,11 +381,18 @@ def launch_all(schedule: ReplayedSchedule, generation: int) -> bool:
     memos = [item.lowering for item in schedule]
     if not all(memo is not None and memo.launch is not None and memo.generation == generation and
                memo.source is _runner_cache for memo in memos):
+      # never, at this generation, where an item is a copy or was lowered without a launcher (symbolic sizes, block
+      # counters): remembered, so such a schedule pays this check once; an item not lowered yet may be next time
+      if any(item.ast.op is Ops.COPY or (memo is not None and memo.runner is not None and memo.launch is None and
+                                         memo.generation == generation) for item, memo in zip(schedule, memos)):
+        schedule.launches[0] = (generation, _runner_cache, None, 0, 0)
       return False
     known = schedule.launches[0] = (generation, _runner_cache, tuple(memo.launch for memo in memos),
                                     sum(memo.runner.op_count for memo in memos),
                                     sum(memo.runner.byte_count for memo in memos))
-  for launch, item in zip(known[2], schedule): launch([*item.outputs, *item.inputs])
+  launches = known[2]
+  if launches is None: return False
+  for launch, item in zip(launches, schedule): launch([*item.outputs, *item.inputs])
   GlobalCounters.kernel_count += len(schedule)
   GlobalCounters.global_ops += known[3]
   GlobalCounters.global_mem += known[4]
