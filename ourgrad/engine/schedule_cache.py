@@ -387,9 +387,8 @@ def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buf
 @dataclass(frozen=True)
 class _LaunchPlan:
   """A one-kernel replay's buffers as _launch_replay builds them: where the kernel writes the fresh buffers in their
-  order and reads only leaves (`direct`), a fresh buffer per (walked base, its device's allocator, device, size,
-  dtype), allocated at once, then the leaves at `inputs`; else (outputs in another order) the pool _replay builds,
-  indexed by the item's slots."""
+  order and reads only leaves (`direct`), the fresh buffers (CachedSchedule.new_buffers, allocated at once), then the
+  leaves at `inputs`; else (outputs in another order) the pool _replay builds, indexed by the item's slots."""
   direct: bool
   inputs: tuple[int, ...]
 
