@@ -64,6 +64,19 @@ class Allocator:
           f"smaller dtypes") from error
 
   def free(self, handle: Any, nbytes: int) -> None: self._free(handle, nbytes)
+
+  def alloc_counted(self, nbytes: int) -> Any:
+    """alloc(nbytes or 1) for a buffer of `nbytes`, counted in GlobalCounters.mem_used (Buffer's own memory)."""
+    with MEMORY_LOCK:
+      handle = self.alloc(nbytes or 1)
+      GlobalCounters.mem_used += nbytes
+    return handle
+
+  def free_counted(self, handle: Any, nbytes: int) -> None:
+    """free(handle, nbytes or 1) of a buffer of `nbytes` whose memory alloc_counted gave (Buffer.__del__)."""
+    with MEMORY_LOCK:
+      GlobalCounters.mem_used -= nbytes
+      self.free(handle, nbytes or 1)
   # host allocators: id(handle) -> (handle, its address as a ctypes pointer) for the memory they made (HostAllocator)
   pointers: dict[int, tuple[Any, Any]] | None = None
   # whether buffers may run on a part of another buffer's memory (the memory planner's sharing)
@@ -134,6 +147,23 @@ class LRUAllocator(Allocator):
         return handles.pop()
       return super().alloc(nbytes)
 
+  # (alloc_counted and free_counted written out: every eager realize allocates its outputs, and every dropped result
+  # comes back here, from a buffer's __del__; the general versions take the lock twice and make two more calls)
+  def alloc_counted(self, nbytes: int) -> Any:
+    with MEMORY_LOCK:
+      handles = self.cache.get(nbytes or 1)
+      if handles:
+        self.cached_total -= nbytes or 1
+        handle = handles.pop()
+      else: handle = Allocator.alloc(self, nbytes or 1)
+      GlobalCounters.mem_used += nbytes
+    return handle
+
+  def free_counted(self, handle: Any, nbytes: int) -> None:
+    with MEMORY_LOCK:
+      GlobalCounters.mem_used -= nbytes
+      self._keep(handle, nbytes or 1)
+
   def cache_limit(self) -> int:
     """The most bytes kept (-1: no limit): ALLOCATOR_CACHE_BYTES, by default (-2) a quarter of the device's memory and
     at least 2 GiB. A fixed 2 GiB on an H200 gave an 824 MB GPT-2 logits buffer back to the device every eager step,
@@ -148,17 +178,20 @@ class LRUAllocator(Allocator):
     return limit
 
   def free(self, handle: Any, nbytes: int) -> None:
-    with MEMORY_LOCK:
-      # (cache_limit's kept answer read here: every buffer freed asks)
-      known = self._limit
-      limit = known[1] if known is not None and known[0] is environ_lookup(_CACHE_LIMIT_KEY) else self.cache_limit()
-      if limit >= 0 and self.cached_total + nbytes > limit:
-        self._free(handle, nbytes)
-        return
-      handles = self.cache.get(nbytes)
-      if not handles: self.cache[nbytes] = [handle]
-      else: bisect.insort(handles, handle, key=id)   # (handles are kept alive here: no id is reused meanwhile)
-      self.cached_total += nbytes
+    with MEMORY_LOCK: self._keep(handle, nbytes)
+
+  def _keep(self, handle: Any, nbytes: int) -> None:
+    """Keep freed memory for reuse, or give it back to the device past the bound (under MEMORY_LOCK)."""
+    # (cache_limit's kept answer read here: every buffer freed asks)
+    known = self._limit
+    limit = known[1] if known is not None and known[0] is environ_lookup(_CACHE_LIMIT_KEY) else self.cache_limit()
+    if limit >= 0 and self.cached_total + nbytes > limit:
+      self._free(handle, nbytes)
+      return
+    handles = self.cache.get(nbytes)
+    if not handles: self.cache[nbytes] = [handle]
+    else: bisect.insort(handles, handle, key=id)   # (handles are kept alive here: no id is reused meanwhile)
+    self.cached_total += nbytes
 
   def free_cache(self) -> None:
     with MEMORY_LOCK:
@@ -226,8 +259,9 @@ class HostAllocator(LRUAllocator):
 
 class Buffer:
   """`size` elements of `dtype` on `device`. Memory is taken on first use (`allocate`)."""
-  # the allocator that gave this buffer its own memory (allocate): where __del__ gives it back without looking the
-  # device up again (None: memory set by a subclass, or none)
+  # its device's allocator, once allocate took memory from it (or the replay that made it named it: new_buffer): where
+  # allocate takes memory and __del__ gives it back without looking the device up again (None: not known yet, or
+  # memory set by a subclass)
   _allocator: Allocator | None = None
 
   def __init__(self, device: str, size: int, dtype: DType):
@@ -251,15 +285,14 @@ class Buffer:
   def allocate(self) -> Buffer:
     with MEMORY_LOCK:
       if self._handle is None:
-        nbytes = self.size * self.dtype.itemsize
-        allocator = self._allocator = Device[self.device].allocator
-        handle = self._handle = allocator.alloc(nbytes or 1)
+        allocator = self._allocator
+        if allocator is None: allocator = self._allocator = Device[self.device].allocator
+        handle = self._handle = allocator.alloc_counted(self.size * self.dtype.itemsize)
         # a host array's address, remembered by its allocator (HostAllocator.pointers): what host kernels take
         pointers = allocator.pointers
         if pointers is not None:
           entry = pointers.get(id(handle))
           if entry is not None and entry[0] is handle: self._pointer = entry[1]
-        GlobalCounters.mem_used += nbytes
     return self
 
   def release_memory(self) -> None:
@@ -278,14 +311,18 @@ class Buffer:
     nbytes = self.size * self.dtype.itemsize
     if backing.device != self.device or backing.size * backing.dtype.itemsize < nbytes:
       raise ValueError(f"{self!r} cannot use the memory of {backing!r}")
-    allocator = Device[self.device].allocator
+    allocator = self._allocator
+    if allocator is None: allocator = Device[self.device].allocator
     with MEMORY_LOCK:
       if self._handle is not None and self._backing is None:
         GlobalCounters.mem_used -= nbytes
-        allocator.free(self._handle, max(nbytes, 1))
-      self._handle = allocator.shared_handle(backing.handle, max(nbytes, 1))
+        allocator.free(self._handle, nbytes or 1)
+      handle = backing._handle
+      if handle is None: handle = backing.allocate()._handle
+      self._handle = allocator.shared_handle(handle, nbytes or 1)
       self._backing = backing
-      self._pointer = None
+      # (a host buffer's address is its backing's, where that is known: host kernels take it without a call)
+      self._pointer = backing._pointer
 
   def host_pointer(self) -> ctypes.c_void_p:
     """The address of a host buffer's memory (a numpy array) as a ctypes pointer, made once: kernels of host devices
@@ -305,11 +342,9 @@ class Buffer:
     handle = getattr(self, "_handle", None)
     if handle is None or self._backing is not None: return   # (_backing is set before _handle ever is)
     try:
-      nbytes = self.size * self.dtype.itemsize
-      with MEMORY_LOCK:
-        GlobalCounters.mem_used -= nbytes
-        allocator = self._allocator
-        (allocator if allocator is not None else Device[self.device].allocator).free(handle, nbytes or 1)
+      allocator = self._allocator
+      (allocator if allocator is not None else Device[self.device].allocator).free_counted(
+        handle, self.size * self.dtype.itemsize)
     except Exception:  # interpreter shutdown: the device module (or the lock) may be gone already
       pass
 
@@ -356,6 +391,30 @@ class Buffer:
     return np.empty(self.size, np.uint16 if self.dtype == dtypes.bfloat16 else self.dtype.np)
 
   def __repr__(self) -> str: return f"<Buffer {self.device} {self.size} {self.dtype}>"
+
+
+def new_buffer(allocator: Allocator, device: str, size: int, dtype: DType) -> Buffer:
+  """Buffer(device, size, dtype) with its device's allocator named (`allocator`, Device[device]'s): allocate takes its
+  memory there without looking the device up. A replayed schedule (engine/schedule_cache.py) makes one for each
+  buffer it realizes, with the allocators it looked up once. (Made by the constructor: an object whose __dict__ is
+  set whole costs twice as much to make and more at each attribute read, Python 3.11.)"""
+  buffer = Buffer(device, size, dtype)
+  buffer._allocator = allocator
+  return buffer
+
+
+def allocated_buffer(allocator: Allocator, device: str, size: int, dtype: DType) -> Buffer:
+  """new_buffer(...).allocate() in one step: its memory from `allocator` (Device[device]'s) in one locked call, the
+  counting included, where allocate would take the lock twice. The schedule cache's one-kernel replays
+  (engine/schedule_cache.py _launch_replay) make one for each buffer they realize, at every small eager realize."""
+  buffer = Buffer(device, size, dtype)
+  handle = buffer._handle = allocator.alloc_counted(size * dtype.itemsize)
+  buffer._allocator = allocator
+  pointers = allocator.pointers
+  if pointers is not None:   # (a host array's address, as allocate remembers it)
+    entry = pointers.get(id(handle))
+    if entry is not None and entry[0] is handle: buffer._pointer = entry[1]
+  return buffer
 
 
 class PendingRead:

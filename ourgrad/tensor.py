@@ -249,7 +249,7 @@ class Tensor(CreationMixin, MovementMixin, IndexingMixin, ScatterMixin, Elementw
 
   def realize(self, *others: Tensor) -> Tensor:
     """Compute this tensor (and `others`) now, in one schedule."""
-    timed = DEBUG >= 1   # (the clock read only where it is printed)
+    timed = DEBUG.value >= 1   # (the clock read only where it is printed)
     with REALIZE_LOCK:  # one thread at a time between scheduling and running (see REALIZE_LOCK)
       if timed: start = time.perf_counter()
       # cached by the graph's structure
@@ -259,7 +259,7 @@ class Tensor(CreationMixin, MovementMixin, IndexingMixin, ScatterMixin, Elementw
       # (a replayed one-kernel schedule is launched there, where nothing is timed: [] comes back)
       schedule = schedule_cache.schedule(outs, None if timed else engine_realize.launch_one)
       if timed: scheduled = time.perf_counter()
-      engine_realize.run_schedule(schedule)
+      if schedule: engine_realize.run_schedule(schedule)
     if timed and schedule:
       print(f"realize: {len(schedule)} items, scheduled in {(scheduled - start) * 1e3:.2f} ms, "
             f"ran in {(time.perf_counter() - scheduled) * 1e3:.2f} ms")

@@ -50,6 +50,9 @@ def program(monkeypatch):
   monkeypatch.setattr(driver, "cuModuleGetFunction", lambda module, name: (SUCCESS, "function"))
   # no dynamic shared memory symbol in the module: the kernel launches with 0 bytes of it
   monkeypatch.setattr(driver, "cuModuleGetGlobal", lambda module, name: (driver.CUresult.CUDA_ERROR_NOT_FOUND, 0, 0))
+  # (bound launches through cuda-python's wrapper, which the tests replace: not through the C trampoline, which calls
+  # libcuda itself; tested below with a recording driver function)
+  monkeypatch.setattr(ops_cuda, "launch_trampoline", lambda: None)
   return ops_cuda.CUDAProgram(FakeDevice(), "E_4", b"cubin")
 
 
@@ -195,3 +198,70 @@ def test_a_positional_launch_rewrites_only_the_slots_whose_buffer_changed(progra
   assert [values for _, _, values in recorder.launches] == [(0x100, 0x200, 0x300)] * 3 + [(0x100, 0x400, 0x300)]
   assert recorder.launches[0][:2] == ((2, 1, 1), (32, 1, 1))
   assert (a.conversions, b.conversions, c.conversions, d.conversions) == (1, 1, 1, 1)
+
+
+def test_a_positional_launch_allocates_a_buffer_without_memory_and_rebinds_only_then(program, monkeypatch):
+  """The launcher compares the buffers' handles with the last launch's as one list: a buffer with no memory yet is
+  allocated (once) and its slot written; equal handles on new buffer objects write nothing."""
+  recorder = LaunchRecorder(count=2)
+  monkeypatch.setattr(driver, "cuLaunchKernel", recorder)
+  allocations = []
+
+  class FakeBuffer:
+    def __init__(self, handle): self._handle = handle
+
+    def allocate(self):
+      allocations.append(self)
+      self._handle = driver.CUdeviceptr(0x900)
+      return self
+  source = driver.CUdeviceptr(0x500)
+  launch = program.positional_launcher((1, 1, 1), (4, 1, 1))
+  fresh = FakeBuffer(None)
+  launch([fresh, FakeBuffer(source)])
+  launch([FakeBuffer(fresh._handle), FakeBuffer(source)])
+  assert len(allocations) == 1
+  assert [values for _, _, values in recorder.launches] == [(0x900, 0x500)] * 2
+
+
+def test_a_bound_launch_through_the_c_trampoline_gives_the_driver_the_launch(program, monkeypatch):
+  """The trampoline (LAUNCH_TRAMPOLINE_SOURCE, compiled by the CLANG device's compiler) calls the driver's function
+  with the kernel, grid, block, dynamic shared memory, stream and kernelParams of the bound launch, and no `extra`: a
+  recording driver function (a ctypes callback) reads them as the driver would. A nonzero status raises, naming the
+  kernel and the driver's error."""
+  from ourgrad import Device
+  from ourgrad.errors import DeviceError
+  try:
+    clang = Device["CLANG"]
+  except DeviceError:
+    pytest.skip("no C compiler")
+  source = ops_cuda.LAUNCH_TRAMPOLINE_SOURCE
+  function = clang.program("og_launch_kernel", clang.compiler.compile_cached(source)).function
+  function.argtypes, function.restype = [ctypes.c_void_p], ctypes.c_int
+  seen, status = [], [0]
+
+  def record(kernel, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+    pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+    values = tuple(ctypes.c_uint64.from_address(pointers[index]).value for index in range(2))
+    seen.append((kernel, (gx, gy, gz), (bx, by, bz), shared, stream, values, extra))
+    return status[0]
+  signature = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, *[ctypes.c_void_p] * 3)
+  callback = signature(record)
+  monkeypatch.setattr(ops_cuda, "launch_trampoline", lambda: (function, ctypes.cast(callback, ctypes.c_void_p).value))
+
+  class IntStreamDevice(FakeDevice):
+    stream = 0x5700
+  program.function, program.device, program.shared_bytes = 0xF00, IntStreamDevice(), 96
+
+  class FakeBuffer:
+    def __init__(self, handle): self._handle = handle
+  launch = program.positional_launcher((3, 2, 1), (64, 1, 1))
+  launch([FakeBuffer(driver.CUdeviceptr(0x100)), FakeBuffer(driver.CUdeviceptr(0x200))])
+  launch([FakeBuffer(driver.CUdeviceptr(0x100)), FakeBuffer(driver.CUdeviceptr(0x300))])
+  assert seen == [(0xF00, (3, 2, 1), (64, 1, 1), 96, 0x5700, (0x100, 0x200), None),
+                  (0xF00, (3, 2, 1), (64, 1, 1), 96, 0x5700, (0x100, 0x300), None)]
+  status[0] = int(driver.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
+  names = {status[0]: (b"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", b"too many resources requested for launch")}
+  monkeypatch.setattr(driver, "cuGetErrorName", lambda error: (SUCCESS, names[int(error)][0]))
+  monkeypatch.setattr(driver, "cuGetErrorString", lambda error: (SUCCESS, names[int(error)][1]))
+  with pytest.raises(DeviceError, match=r"cuLaunchKernel\(E_4\).*CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
+    launch([FakeBuffer(driver.CUdeviceptr(0x100)), FakeBuffer(driver.CUdeviceptr(0x300))])

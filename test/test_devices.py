@@ -136,3 +136,38 @@ def test_opencl_loads_the_program_it_just_built_instead_of_building_its_binary_a
     np.testing.assert_array_equal(out.numpy(), values * 2 + len(str(tmp_path)))
   device.compiler.compile(source)
   assert device.compiler.built_program(binary, object()) is None, "another context never gets it"
+
+
+@pytest.mark.parametrize("device", AVAILABLE)
+def test_buffers_made_in_one_step_hold_memory_as_allocated_ones(device):
+  """device.allocated_buffer and new_buffer (the schedule cache's replays) against Buffer(...).allocate(): the same
+  fields, the bytes counted in use while held and given back to the allocator's cache when dropped (the same memory
+  handed out next), a host buffer's remembered address; a buffer run on another's memory takes its address."""
+  from ourgrad.device import Buffer, allocated_buffer, new_buffer
+  from ourgrad.helpers import GlobalCounters
+  allocator = Device[device].allocator
+  plain = Buffer(device, 6, dtypes.float32).allocate()
+  in_use = GlobalCounters.mem_used
+  made = allocated_buffer(allocator, device, 6, dtypes.float32)
+  assert GlobalCounters.mem_used == in_use + 24
+  assert (made.device, made.size, made.dtype, made.nbytes, made.is_allocated) == (device, 6, dtypes.float32, 24, True)
+  if plain._pointer is not None: assert made._pointer is not None and made._pointer.value == made.host_pointer().value
+  made.copyin(memoryview(np.arange(6, dtype=np.float32)).cast("B"))
+  np.testing.assert_array_equal(made.numpy(), np.arange(6, dtype=np.float32))
+  handle = made._handle
+  del made
+  assert GlobalCounters.mem_used == in_use
+  if hasattr(allocator, "cache"): assert any(kept is handle for kept in allocator.cache.get(24, []))
+  lazy = new_buffer(allocator, device, 2, dtypes.int32)
+  assert not lazy.is_allocated and GlobalCounters.mem_used == in_use
+  lazy.copyin(memoryview(np.array([3, -4], dtype=np.int32)).cast("B"))
+  np.testing.assert_array_equal(lazy.numpy(), [3, -4])
+  assert GlobalCounters.mem_used == in_use + 8
+  del lazy
+  assert GlobalCounters.mem_used == in_use
+  if allocator.shares_memory:
+    planned = Buffer(device, 4, dtypes.float32)
+    planned.use_memory_of(plain)
+    if plain._pointer is not None: assert planned._pointer is plain._pointer
+    planned.copyin(memoryview(np.full(4, 7, dtype=np.float32)).cast("B"))
+    np.testing.assert_array_equal(plain.numpy()[:4], np.full(4, 7, dtype=np.float32))

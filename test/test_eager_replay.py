@@ -166,3 +166,108 @@ def test_a_replays_internal_slots_are_the_buffers_only_its_items_hold(monkeypatc
     del kept
   assert len(seen) >= 3 and all(by_slots == by_count for by_slots, by_count in seen)
   assert len({len(by_slots) for by_slots, _ in seen}) == 2   # (a kept intermediate is one internal buffer less)
+
+
+def test_a_replayed_kernel_with_two_outputs_launches_from_the_cache_and_gives_both():
+  """Two results of one input realized together are one kernel with two outputs: its replay launches from the schedule
+  cache (no ScheduleItem) on two fresh buffers, in the bases' order, and both results match numpy as inputs change."""
+  from ourgrad.engine import realize
+  made = []
+  original = schedule_cache.replayed_item
+  schedule_cache.replayed_item = lambda *args: made.append(args) or original(*args)
+  try:
+    rng = np.random.default_rng(23)
+    for step in range(5):
+      values = rng.standard_normal(9).astype(np.float32)
+      x = Tensor(values).realize()
+      a, b = x + 1, x * 2
+      before = GlobalCounters.kernel_count
+      Tensor.realize_all(a, b)
+      assert GlobalCounters.kernel_count == before + 1
+      np.testing.assert_allclose(a.numpy(), values + 1, rtol=1e-6)
+      np.testing.assert_allclose(b.numpy(), values * 2, rtol=1e-6)
+  finally:
+    schedule_cache.replayed_item = original
+  assert not made[2:] and realize.launch_one is not None
+
+
+def test_a_one_kernel_replay_whose_outputs_are_not_its_fresh_buffers_in_order_launches_on_the_slots():
+  """_launch_replay's general way (outputs in another order than the fresh buffers): the kernel gets its buffers by
+  its slots, each base the buffer of its fresh position, the cleared bases lose their sources."""
+  from ourgrad.device import Buffer
+
+  class Base:
+    realized, srcs = None, ("a source",)
+  leaves = [Buffer("CLANG", 3, dtypes.float32), Buffer("CLANG", 5, dtypes.float32)]
+  bases = [Base(), Base()]
+  from ourgrad.ops import LazyOp, Ops
+  ast = LazyOp(Ops.SINK, (), None)
+  cached = schedule_cache.CachedSchedule([ast], [(3, 2)], [(1, 0)], [(0, "CLANG", 4, dtypes.float32),
+                                         (1, "CLANG", 2, dtypes.int32)], [], [1], [])
+  assert cached.one_kernel
+  launched = []
+  assert schedule_cache._launch_replay(cached, bases, leaves, lambda memo, buffers: launched.append(buffers) or True)
+  assert cached.launch_plan is not None and not cached.launch_plan.direct
+  assert launched == [[bases[1].realized, bases[0].realized, leaves[1], leaves[0]]]
+  assert (bases[0].realized.size, bases[1].realized.dtype) == (4, dtypes.int32)
+  assert all(buffer.is_allocated for buffer in launched[0][:2])
+  assert bases[0].srcs == ("a source",) and bases[1].srcs == ()
+  # refused: nothing cleared, and _replay gives the bases other buffers
+  bases = [Base(), Base()]
+  assert not schedule_cache._launch_replay(cached, bases, leaves, lambda memo, buffers: False)
+  assert bases[1].srcs == ("a source",)
+
+
+def test_a_replayed_schedule_launched_whole_counts_as_item_by_item(monkeypatch):
+  """A replayed multi-kernel schedule whose kernels were all lowered launches through realize.launch_all (launchers
+  and totals kept per cached schedule): the same kernel, op and byte counts as the first, item-by-item replay, and
+  the values of new inputs; a cleared compiled-kernel cache (a new generation) lowers again and launches whole again."""
+  from ourgrad.engine import realize
+  monkeypatch.setenv("EAGER_CAPTURE", "0")
+  whole = []
+  original = realize.launch_all
+  monkeypatch.setattr(realize, "launch_all", lambda schedule, generation: whole.append(original(schedule, generation))
+                      or whole[-1])
+  rng = np.random.default_rng(24)
+
+  def step() -> tuple[tuple[int, int, int], np.ndarray, np.ndarray]:
+    values = rng.standard_normal((6, 6)).astype(np.float32)
+    x = Tensor(values).realize()
+    out = ((x * 2).contiguous().exp2() + x).contiguous().sum(axis=1)
+    counts = (GlobalCounters.kernel_count, GlobalCounters.global_ops, GlobalCounters.global_mem)
+    out.realize()
+    return tuple(now - then for now, then in zip((GlobalCounters.kernel_count, GlobalCounters.global_ops,
+                                                   GlobalCounters.global_mem), counts)), out.numpy(), values
+  counted = []
+  for round_ in range(2):
+    for _ in range(4):
+      counts, result, values = step()
+      counted.append(counts)
+      np.testing.assert_allclose(result, (np.exp2(values * 2) + values).sum(axis=1), rtol=1e-5)
+    if round_ == 0: clear_caches()
+  assert len(set(counted)) == 1 and counted[0][0] == 3
+  assert whole.count(True) >= 4 and False in whole   # (the first replays after each lowering go item by item)
+
+
+def test_a_replayed_schedule_with_a_copy_is_launched_item_by_item_and_checked_once(monkeypatch):
+  """A replayed schedule holding a copy (to another device) never launches whole: launch_all refuses, remembers that
+  for the cached schedule (no check of every item at each realize), and the values are right at every replay."""
+  from ourgrad.engine import realize
+  from ourgrad.engine.schedule_item import ReplayedSchedule
+  monkeypatch.setenv("EAGER_CAPTURE", "0")
+  answers, kept = [], []
+  original = realize.launch_all
+
+  def watch(schedule: ReplayedSchedule, generation: int) -> bool:
+    answers.append(original(schedule, generation))
+    kept.append(schedule.launches[0])
+    return answers[-1]
+  monkeypatch.setattr(realize, "launch_all", watch)
+  rng = np.random.default_rng(25)
+  for _ in range(5):
+    values = rng.standard_normal(6).astype(np.float32)
+    x = Tensor(values, device="CLANG").realize()
+    out = ((x * 2).contiguous().to("PYTHON") + 1).contiguous() * 3
+    np.testing.assert_allclose(out.numpy(), (values * 2 + 1) * 3, rtol=1e-6)
+  assert answers and not any(answers)
+  assert kept[-1] is not None and kept[-1][2] is None   # (the refusal remembered)

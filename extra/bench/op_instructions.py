@@ -26,6 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORKLOADS = {
   "none": "None",
   "add1": "x + 1",
+  "add1_realize": "(x + 1).realize()",   # minus add1: op1's realize (a one-kernel schedule-cache replay)
   "mul": "a * b",
   "expr8": "((((a * 1.25 + 1.5).exp2() - 0.25).sqrt() * a).relu() + 1.25).log2()",
   "expr8_1024": "((((c * 1.25 + 1.5).exp2() - 0.25).sqrt() * c).relu() + 1.25).log2()",

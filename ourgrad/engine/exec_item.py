@@ -61,7 +61,8 @@ class CompiledRunner(Runner):
       runner = self
 
       def launch_host(buffers: list[Buffer]) -> None:   # (host_function read at launch: a tool may swap it)
-        # (a buffer's remembered address first: no method call; an address is never 0, so a pointer is true)
+        # (a buffer's remembered address first: no method call; an address is never 0, so a pointer is true. A list
+        # comprehension: reading the attribute by map and attrgetter was measured slower, Python 3.11)
         runner.host_function(*[buffer._pointer or buffer.host_pointer() for buffer in buffers])
       return launch_host
     positional = getattr(self.program, "positional_launcher", None)

@@ -18,7 +18,7 @@ from sys import getrefcount
 from collections import Counter, defaultdict
 from typing import Any, Callable, Sequence
 
-from ourgrad.device import Buffer, Device
+from ourgrad.device import Buffer, Device, new_buffer
 from ourgrad.dtype import dtypes
 from ourgrad.helpers import DEBUG, fmt_size
 
@@ -67,32 +67,33 @@ class RecordedPlan:
   structure with the same internal ordinals (a replayed schedule) gets the same plan without planning again."""
   __slots__ = ("assigned", "backings", "naive", "label")
 
-  def __init__(self, assigned: list[tuple[int, int]], backings: list[tuple[str, int]], naive: int, label: str):
+  def __init__(self, assigned: list[tuple[int, int]], backings: list[tuple[str, int, Any]], naive: int, label: str):
     self.assigned, self.backings, self.naive, self.label = assigned, backings, naive, label
 
   @staticmethod
   def of(ordinal: dict[int, int], assigned: dict[Buffer, Buffer], label: str) -> RecordedPlan:
     """The plan `assigned` (plan_memory's answer) in terms of `ordinal` (id(buffer) -> its ordinal)."""
     slot_of: dict[int, int] = {}
-    backings: list[tuple[str, int]] = []
+    backings: list[tuple[str, int, Any]] = []   # (device, bytes, the device's allocator) each
     pairs = []
     for buffer, backing in assigned.items():
       if id(backing) not in slot_of:
         slot_of[id(backing)] = len(backings)
-        backings.append((backing.device, backing.size))
+        backings.append((backing.device, backing.size, Device[backing.device].allocator))
       pairs.append((ordinal[id(buffer)], slot_of[id(backing)]))
     return RecordedPlan(pairs, backings, sum(buffer.nbytes for buffer in assigned), label)
 
   def apply(self, buffers: Sequence[Buffer]) -> None:
     """Run the buffers (`buffers[ordinal]`) on fresh backing buffers as recorded, as plan_memory would."""
-    backings = [Buffer(device, size, dtypes.uint8) for device, size in self.backings]
+    uint8 = dtypes.uint8
+    backings = [new_buffer(allocator, device, size, uint8) for device, size, allocator in self.backings]
     targets = [buffers[ordinal] for ordinal, _ in self.assigned]
     # (all first, as plan_memory does; a replay's targets hold no memory yet: no call for those)
     for buffer in targets:
       if buffer._handle is not None: buffer.release_memory()
     for buffer, (_, slot) in zip(targets, self.assigned): buffer.use_memory_of(backings[slot])
     if DEBUG >= 1:
-      planned = sum(size for _, size in self.backings)
+      planned = sum(size for _, size, _ in self.backings)
       print(f"memory planner ({self.label}, replayed): {len(targets)} buffers in {len(backings)} backing buffers, "
             f"{fmt_size(planned)} planned vs {fmt_size(self.naive)} naive ({planned} vs {self.naive} bytes)")
 

@@ -21,16 +21,17 @@ from ourgrad.codegen.uops import UOps, format_uops, launch_dims  # noqa: F401 (l
 from ourgrad.device import Buffer, Compiled, Device
 from ourgrad.dtype import dtypes
 from ourgrad.engine.capture import run_captured
-from ourgrad.engine.exec_item import CompiledRunner, CopyRunner, ExecItem, Runner, is_capturing, jit_recording, \
-  quiet_launches  # noqa: F401 (re-exported)
+from ourgrad.engine.exec_item import _DEBUG_KEY, _PROFILE_KEY, _QUIET_DEBUG, _QUIET_PROFILE, CompiledRunner, \
+  CopyRunner, ExecItem, Runner, _capture_lists, is_capturing, jit_recording, quiet_launches  # noqa: F401 (re-exported)
 from ourgrad.engine.memory import RecordedPlan, held_only_by_items, plan_memory
-from ourgrad.engine.profile import host_phase
+from ourgrad.engine.profile import host_phase, profiler
 from ourgrad.engine.schedule import ALWAYS_REALIZED_OPS, ScheduleItem
 from ourgrad.engine.schedule_item import ReplayedSchedule
 from ourgrad import lazy_trace
 from ourgrad.lazy import LazyBuffer
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import BEAM, DEBUG, RUNNER_CACHE_SIZE, BoundedCache, GlobalCounters, env_var, prod, tf32_allowed
+from ourgrad.helpers import BEAM, DEBUG, RUNNER_CACHE_SIZE, BoundedCache, GlobalCounters, env_var, environ_lookup, \
+  prod, tf32_allowed
 from ourgrad.ops import ConstBuffer, LazyOp, MemBuffer, Ops
 
 
@@ -355,14 +356,46 @@ def launch_one(memo: Any, buffers: list[Buffer]) -> bool:
   launcher on `buffers` (outputs, then inputs), as run_schedule's quiet path would; False where that path would not
   take it: not lowered from the compiled-kernel cache in use, a launch that prints or is timed, a JIT recording."""
   launch = memo.launch
+  # (is_capturing and quiet_launches written out: this runs at every small eager realize)
   if launch is None or memo.source is not _runner_cache or memo.generation != _runner_cache.generation or \
-      is_capturing() or not quiet_launches():
+      _capture_lists or environ_lookup(_DEBUG_KEY) not in _QUIET_DEBUG or \
+      environ_lookup(_PROFILE_KEY) not in _QUIET_PROFILE or profiler.open_blocks:
     return False
   launch(buffers)
   runner = memo.runner
   GlobalCounters.kernel_count += 1
   GlobalCounters.global_ops += runner.op_count
   GlobalCounters.global_mem += runner.byte_count
+  return True
+
+
+def launch_all(schedule: ReplayedSchedule, generation: int) -> bool:
+  """Launch every item of a replayed schedule through its memo's launcher and count them, as run_schedule's quiet
+  path would item by item, where every item was lowered (a kernel with no bound Variables and no block counters) from
+  the compiled-kernel cache in use at `generation`: the launchers and the totals are taken once per cached schedule
+  (ReplayedSchedule.launches), not per item and realize. False where that cannot be done (an item not lowered yet, a
+  copy, a schedule that copy-on-write snapshots lengthened): the caller launches item by item."""
+  if len(schedule) != schedule.memory.items: return False
+  known = schedule.launches[0]
+  if known is None or known[0] != generation or known[1] is not _runner_cache:
+    memos = [item.lowering for item in schedule]
+    if not all(memo is not None and memo.launch is not None and memo.generation == generation and
+               memo.source is _runner_cache for memo in memos):
+      # never, at this generation, where an item is a copy or was lowered without a launcher (symbolic sizes, block
+      # counters): remembered, so such a schedule pays this check once; an item not lowered yet may be next time
+      if any(item.ast.op is Ops.COPY or (memo is not None and memo.runner is not None and memo.launch is None and
+                                         memo.generation == generation) for item, memo in zip(schedule, memos)):
+        schedule.launches[0] = (generation, _runner_cache, None, 0, 0)
+      return False
+    known = schedule.launches[0] = (generation, _runner_cache, tuple(memo.launch for memo in memos),
+                                    sum(memo.runner.op_count for memo in memos),
+                                    sum(memo.runner.byte_count for memo in memos))
+  launches = known[2]
+  if launches is None: return False
+  for launch, item in zip(launches, schedule): launch([*item.outputs, *item.inputs])
+  GlobalCounters.kernel_count += len(schedule)
+  GlobalCounters.global_ops += known[3]
+  GlobalCounters.global_mem += known[4]
   return True
 
 
@@ -391,6 +424,7 @@ def run_schedule(schedule: list[ScheduleItem]) -> None:
     if not capturing and schedule[0].lowering is not None and \
         run_captured(schedule, getattr(_runner_cache, "generation", None)):
       return
+    if generation is not None and type(schedule) is ReplayedSchedule and launch_all(schedule, generation): return
   ahead: Any = None   # the later new kernels' compiles under way side by side (COMPILE_THREADS)
   misses = _runner_misses[0]
   for index, item in enumerate(schedule):

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 from ourgrad import lazy_trace
 from ourgrad.lazy_trace import PLAIN_ARG_TYPES, hashable_arg
-from ourgrad.device import Buffer
+from ourgrad.device import Buffer, Device, allocated_buffer, new_buffer
 from ourgrad.engine import schedule as scheduler
 from ourgrad.engine.schedule import ScheduleItem
 from ourgrad.engine.memory import PoolMemory
@@ -93,6 +93,13 @@ class CachedSchedule:
   # _launch_replay launches without a ScheduleItem
   one_kernel: bool = field(init=False, repr=False)
   memory: PoolMemory = field(init=False, repr=False)   # its pool's written slots and recorded memory plans
+  # `fresh` and `scratch` as a replay makes their buffers: (walked base, or -1 for a scratch one, the device's
+  # allocator, device, size, dtype) each, the allocator looked up once (device.new_buffer)
+  new_buffers: tuple[tuple[int, Any, str, int, Any], ...] = field(init=False, repr=False)
+  # how _launch_replay builds a one-kernel replay's buffers (_LaunchPlan), made at its first launch; None until then
+  launch_plan: _LaunchPlan | None = field(init=False, repr=False, default=None)
+  # where engine/realize.py keeps the items' launchers once all were lowered (ReplayedSchedule.launches)
+  launches: list[Any] = field(init=False, repr=False, default_factory=lambda: [None])
 
   def __post_init__(self) -> None:
     if len(self.lowerings) != len(self.asts): self.lowerings = [LoweringMemo() for _ in self.asts]
@@ -100,6 +107,8 @@ class CachedSchedule:
     self.memory = PoolMemory(self.output_slots, self.input_slots)
     self.one_kernel = len(self.asts) == 1 and self.asts[0].op is not Ops.COPY and not self.assigns and \
       not self.shared and not self.scratch
+    self.new_buffers = tuple((index, Device[device].allocator, device, size, dtype)
+                             for index, device, size, dtype in [*self.fresh, *((-1, *spec) for spec in self.scratch)])
 
 
 _cache: OrderedDict[_Key, CachedSchedule] = OrderedDict()
@@ -376,20 +385,43 @@ def _record(items: list[ScheduleItem], bases: list[LazyBuffer], leaves: list[Buf
                         [LoweringMemo() for _ in items], assigns)
 
 
+@dataclass(frozen=True)
+class _LaunchPlan:
+  """A one-kernel replay's buffers as _launch_replay builds them: where the kernel writes the fresh buffers in their
+  order and reads only leaves (`direct`), the fresh buffers (CachedSchedule.new_buffers, allocated at once), then the
+  leaves at `inputs`; else (outputs in another order) the pool _replay builds, indexed by the item's slots."""
+  direct: bool
+  inputs: tuple[int, ...]
+
+
+def _launch_plan(cached: CachedSchedule, leaf_count: int) -> _LaunchPlan:
+  """The _LaunchPlan of a one-kernel schedule replayed on `leaf_count` leaves (every replay under its key has as many:
+  the leaves are part of the key)."""
+  _, output_slots, input_slots, _ = cached.items[0]
+  direct = output_slots == tuple(range(leaf_count, leaf_count + len(cached.fresh))) and \
+    all(slot < leaf_count for slot in input_slots)
+  return _LaunchPlan(direct, input_slots)
+
+
 def _launch_replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer],
                    launch_one: LaunchOne) -> bool:
   """Replay a one-kernel schedule (CachedSchedule.one_kernel) by launching its kernel on this graph's buffers, as
   _replay and run_schedule would (the same buffers given to the same bases, the same sources dropped), without a
-  ScheduleItem; False where `launch_one` refuses (not lowered yet, a launch that prints or is timed, a JIT
+  ScheduleItem or a pool; False where `launch_one` refuses (not lowered yet, a launch that prints or is timed, a JIT
   recording): nothing was launched, and _replay gives the bases other buffers."""
-  _, output_slots, input_slots, lowering = cached.items[0]
-  pool = list(leaves)
-  append = pool.append
-  for index, device, size, dtype in cached.fresh:
-    buffer = bases[index].realized = Buffer(device, size, dtype)
+  plan = cached.launch_plan
+  if plan is None: plan = cached.launch_plan = _launch_plan(cached, len(leaves))
+  buffers = []
+  append = buffers.append
+  for index, allocator, device, size, dtype in cached.new_buffers:   # (one_kernel: fresh ones only)
+    buffer = bases[index].realized = allocated_buffer(allocator, device, size, dtype)
     append(buffer)
-  take = pool.__getitem__
-  if not launch_one(lowering, [*map(take, output_slots), *map(take, input_slots)]): return False
+  if plan.direct: buffers += map(leaves.__getitem__, plan.inputs)
+  else:
+    pool = leaves + buffers
+    _, output_slots, input_slots, _ = cached.items[0]
+    buffers = [*map(pool.__getitem__, output_slots), *map(pool.__getitem__, input_slots)]
+  if not launch_one(cached.lowerings[0], buffers): return False
   for index in cached.cleared: bases[index].srcs = ()
   return True
 
@@ -397,19 +429,19 @@ def _launch_replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list
 def _replay(cached: CachedSchedule, bases: list[LazyBuffer], leaves: list[Buffer]) -> list[ScheduleItem]:
   pool = list(leaves)
   append = pool.append
-  for index, device, size, dtype in cached.fresh:
-    buffer = bases[index].realized = Buffer(device, size, dtype)
+  # the fresh buffers, then the scratch ones (no base: -1)
+  for index, allocator, device, size, dtype in cached.new_buffers:
+    buffer = new_buffer(allocator, device, size, dtype)
+    if index >= 0: bases[index].realized = buffer
     append(buffer)
   # an assign writes a leaf's buffer, or the buffer of an earlier assign of this graph (a chain), a packed attention
   # dK/dV op the dQ op's: all in the pool
   if cached.shared:
     for index, slot in cached.shared: bases[index].realized = pool[slot]
-  if cached.scratch:
-    for device, size, dtype in cached.scratch: append(Buffer(device, size, dtype))
   for index in cached.cleared: bases[index].srcs = ()
   take = pool.__getitem__
   # (a list comprehension: a generator would be resumed once per item)
   items = ReplayedSchedule([replayed_item(ast, tuple(map(take, outputs)), tuple(map(take, inputs)), lowering)
                             for ast, outputs, inputs, lowering in cached.items])
-  items.pool, items.memory = pool, cached.memory
+  items.pool, items.memory, items.launches = pool, cached.memory, cached.launches
   return items

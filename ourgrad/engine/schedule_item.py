@@ -18,8 +18,9 @@ class ReplayedSchedule(list):
   schedule, with the pool they were built from (`pool`: the distinct buffers by slot: the graph's leaves, then the
   fresh buffers, then the scratch ones) and `memory`, the cached schedule's facts about that pool (memory.PoolMemory:
   which slots the items write, how many item slots hold each, the memory plans recorded by slot), so that planning a
-  replay's memory (engine/realize.py) reads the pool by slot instead of scanning the items."""
-  __slots__ = ("pool", "memory")
+  replay's memory (engine/realize.py) reads the pool by slot instead of scanning the items. `launches`: the cached
+  schedule's one-element list where engine/realize.py keeps its items' launchers once all were lowered (launch_all)."""
+  __slots__ = ("pool", "memory", "launches")
 
 
 class LoweringMemo:

@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ourgrad.device import Compiled, Compiler, LRUAllocator
+from ourgrad.device import Compiled, Compiler, Device, LRUAllocator
 from ourgrad.errors import CompileError, DeviceError
-from ourgrad.helpers import CUDA_DEPENDENT_LAUNCH, CUDA_PTX, DEBUG
+from ourgrad.helpers import CUDA_DEPENDENT_LAUNCH, CUDA_PTX, DEBUG, env_var
 from ourgrad.renderer import GpuFacts
 from ourgrad.renderer.cuda import DYNAMIC_SHARED_SYMBOL, CUDARenderer, GridFootprint
 from ourgrad.runtime.staging import StagingRing
@@ -467,29 +467,98 @@ class CUDAProgram:
     return milliseconds / 1e3
 
 
+CUDA_LAUNCH_TRAMPOLINE = env_var("CUDA_LAUNCH_TRAMPOLINE", 1, "1: the CUDA device's bound launches (a replayed eager "
+                                 "kernel's) call cuLaunchKernel from a small C function compiled once by the CLANG "
+                                 "device's compiler, one ctypes call of one pointer (~0.6 us less a launch than "
+                                 "cuda-python's wrapper on an H200's host); 0, or no C compiler: cuda-python's wrapper")
+
+# the driver call of a bound launch made from C: the launch's arguments in one struct, read by one C function, so that
+# Python makes one ctypes call of one argument (cuda-python's wrapper converts eleven arguments and builds a result
+# enum at every call; ctypes with eleven declared arguments was slower still, extra/bench/probe_launch_calls.py)
+LAUNCH_TRAMPOLINE_SOURCE = """/* ourgrad: a bound CUDA launch (runtime/ops_cuda.py PositionalLaunch) */
+typedef int (*og_driver_launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                                void **, void **);
+typedef struct { og_driver_launch launch; void *function; unsigned size[7]; void *stream; void **params; } og_launch;
+int og_launch_kernel(const og_launch *l) {
+  return l->launch(l->function, l->size[0], l->size[1], l->size[2], l->size[3], l->size[4], l->size[5], l->size[6],
+                   l->stream, l->params, 0);
+}
+"""
+
+
+class LaunchRecord(ctypes.Structure):
+  """The C struct `og_launch`: the driver's cuLaunchKernel, the kernel, its grid, block and dynamic shared memory,
+  the stream, its kernelParams."""
+  _fields_ = [("launch", ctypes.c_void_p), ("function", ctypes.c_void_p), ("size", ctypes.c_uint * 7),
+              ("stream", ctypes.c_void_p), ("params", ctypes.c_void_p)]
+
+
+# [(the trampoline's ctypes function, libcuda's cuLaunchKernel address)] once compiled, [None] where it cannot be
+_trampoline: list[tuple[Any, int] | None] = []
+_trampoline_lock = threading.Lock()
+
+
+def launch_trampoline() -> tuple[Any, int] | None:
+  """(og_launch_kernel as a ctypes function of one pointer, the address of libcuda's cuLaunchKernel), compiled once a
+  process by the CLANG device's compiler (from its disk cache after the first time on a machine); None where
+  CUDA_LAUNCH_TRAMPOLINE=0 or there is no C compiler (then cuda-python's wrapper launches)."""
+  if not CUDA_LAUNCH_TRAMPOLINE: return None
+  if not _trampoline:
+    with _trampoline_lock:
+      if not _trampoline:
+        try:
+          clang = Device["CLANG"]
+          function = clang.program("og_launch_kernel", clang.compiler.compile_cached(LAUNCH_TRAMPOLINE_SOURCE)).function
+          function.argtypes, function.restype = [ctypes.c_void_p], ctypes.c_int
+          address = ctypes.cast(ctypes.CDLL("libcuda.so.1").cuLaunchKernel, ctypes.c_void_p).value
+          _trampoline.append((function, address))
+        except Exception as error:  # (any failure, a compiler's or a loader's: cuda-python's wrapper always works)
+          if DEBUG >= 1: print(f"CUDA launches through cuda-python: no launch trampoline ({error})")
+          _trampoline.append(None)
+  return _trampoline[0]
+
+
 class PositionalLaunch:
   """One ExecItem's launches of a kernel: `launch(buffers)` passes each buffer's memory in its argument position. The
   argument arrays are its own (no lock) and persist from launch to launch; a slot is rewritten only where its
   buffer's handle is another object than at the last launch (the allocator hands the same handle objects back), so a
   repeated launch creates no Python object but the driver call's result. The driver copies the values at the call,
   so a slot may change again right after it."""
-  __slots__ = ("program", "global_size", "local_size", "handles", "arguments", "pointers", "call_driver")
+  __slots__ = ("program", "global_size", "local_size", "handles", "arguments", "pointers", "call_driver", "record")
 
   def __init__(self, program: CUDAProgram, global_size: tuple[int, ...], local_size: tuple[int, ...]):
     self.program, self.global_size, self.local_size = program, global_size, local_size
     self.handles: list[Any] = []   # the handle each slot holds (kept alive: compared by identity)
     self.arguments: Any = None
     self.pointers: Any = None
-    self.call_driver: Callable[[], tuple] | None = None
+    # the driver call bound to the arrays: it returns the status, an int from the trampoline (0: success), a tuple
+    # from cuda-python's wrapper (always true: checked by _check)
+    self.call_driver: Callable[[], Any] | None = None
+    self.record: LaunchRecord | None = None   # the trampoline's arguments (alive as long as the launcher)
 
   def _make_arrays(self, count: int) -> None:
     """Argument arrays for `count` buffers and the driver call bound to them (at the first launch)."""
     self.arguments, self.pointers = pointer_arguments([0] * count)
     self.handles = [None] * count
     program = self.program
+    trampoline = launch_trampoline()
+    if trampoline is not None:
+      function, driver_launch = trampoline
+      self.record = LaunchRecord(driver_launch, int(program.function),
+                                 (ctypes.c_uint * 7)(*self.global_size, *self.local_size, program.shared_bytes),
+                                 int(program.device.stream), ctypes.addressof(self.pointers))
+      self.call_driver = functools.partial(function, ctypes.addressof(self.record))
+      return
     self.call_driver = functools.partial(driver.cuLaunchKernel, program.function, *self.global_size,
                                          *self.local_size, program.shared_bytes, program.device.stream,
                                          ctypes.addressof(self.pointers), 0)
+
+  def _check(self, status: Any) -> None:
+    """Raise the driver's error of a launch whose status is not a plain 0 (cuda-python's tuple of its result)."""
+    if type(status) is tuple: status = status[0]
+    if status == CUDA_SUCCESS: return
+    check((status if isinstance(status, driver.CUresult) else driver.CUresult(status),),
+          f"cuLaunchKernel({self.program.name})")
 
   def __call__(self, buffers: list[Any]) -> None:
     if len(self.handles) != len(buffers) or self.call_driver is None: self._make_arrays(len(buffers))
@@ -500,8 +569,8 @@ class PositionalLaunch:
       if handle is not handles[index]:
         arguments[index] = int(handle)
         handles[index] = handle
-    (status,) = self.call_driver()
-    if status is not CUDA_SUCCESS: check((status,), f"cuLaunchKernel({self.program.name})")
+    status = self.call_driver()
+    if status: self._check(status)
 
 
 def programmatic_edge(early: bool) -> Any:
