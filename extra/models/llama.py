@@ -119,7 +119,7 @@ def cast_weights(weights: dict[str, Tensor], dtype: Any) -> dict[str, Tensor]:
 
 def inverse_rms(x: Tensor, eps: float) -> Tensor:
   """1 / sqrt(mean(x^2) + eps) over the last axis (kept, size 1)."""
-  return (x.square().mean(-1, keepdim=True) + eps).rsqrt()
+  return x.inverse_rms(-1, eps)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -232,11 +232,13 @@ class LlamaBlock:
     normed = x * self._inverse_rms(x)
     return (normed if norm is None else normed * norm).contiguous()
 
-  def _project_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor) -> Tensor:
-    """q (B, heads, hd) of x (1, B, dim), rotated (cos and sin broadcast to the projection's (1, B, heads + 2 kv,
+  def _project_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor | int) -> Tensor:
+    """q (1, heads, B, hd) of x (1, B, dim), rotated (cos and sin broadcast to the projection's (1, B, heads + 2 kv,
     hd)), after writing the rotated K and the V of its rows to the cache where `write` (1, max_context, 1, 1),
-    broadcast to the cache's shape, is True: cache slot p takes row placement[p] (a host-made int32
-    (max_context,) index, p - start where written), an indexed read, so no kernel depends on the start position.
+    broadcast to the cache's shape, is True. `placement`: a host-made int32 (max_context,) index, cache slot p taking
+    row placement[p] (p - start where written), an indexed read, so no kernel depends on the start position (a jitted
+    prefill); or the start itself (an eager call, whose kernels are built for its prompt anyway): the rows padded to
+    the cache's slots, a view.
     RoPE runs on all Q, K and V heads of the projection at once (V heads selected back unrotated by a constant
     mask): one kernel makes the rotated rows that the attention (Q) and the cache write (K, V) read."""
     config = self.config
@@ -245,11 +247,18 @@ class LlamaBlock:
     projected = self._linear(x, self.w_qkv, self.attn_norm) * self._inverse_rms(x)
     projected = projected.reshape(batch, length, heads + 2 * config.n_kv_heads, head_dim)
     rotated = self.value_heads.where(projected, rotate_pairs(projected, cos, sin)).contiguous()
-    # each slot's row of the rotated projection, its K and V columns (the heads after the query's) in the cache's shape
-    rows = rotated.reshape(length, -1)[placement]
-    placed = rows.shrink((None, (heads * head_dim, rows.shape[1]))).reshape(1, *self.cache.shape[1:])
-    self.cache.assign(write.where(placed, self.cache))
-    return rotated[0, :, :heads]
+    # each slot's row of the rotated projection, its K and V heads (those after the query's) in the cache's shape
+    kv_heads = (heads, heads + 2 * config.n_kv_heads)
+    if isinstance(placement, int):
+      slots = self.cache.shape[1]
+      rows = rotated.shrink(((0, 1), (0, length), kv_heads, (0, head_dim)))
+      rows = rows.pad(((0, 0), (placement, slots - placement - length), (0, 0), (0, 0)))
+    else:
+      flat = rotated.reshape(length, -1)[placement]
+      rows = flat.shrink(((0, flat.shape[0]), (heads * head_dim, flat.shape[1]))).reshape(1, *self.cache.shape[1:])
+    self.cache.assign(write.where(rows, self.cache))
+    # the query heads, heads first (1, heads, B, hd): plain views, a shrink and a permute
+    return rotated.shrink(((0, 1), (0, length), (0, heads), (0, head_dim))).permute(0, 2, 1, 3)
 
   def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(q (S, 1, heads, hd) rotated, the stored K and V projection (S, 1, 2 * kv_heads, hd), cos and sin (S, 1, 1,
@@ -302,7 +311,9 @@ class LlamaBlock:
       product = (product * scale).contiguous()
     elif not one_token:
       product = product * self._inverse_rms(x)
-    gate, up = product.chunk(2, dim=-1)
+    # the gate and up halves (two shrinks: chunk's generic steps cost more)
+    half, whole = product.shape[-1] // 2, tuple((0, size) for size in product.shape[:-1])
+    gate, up = product.shrink((*whole, (0, half))), product.shrink((*whole, (half, 2 * half)))
     hidden = gate.silu() * up
     # several rows: the SwiGLU product in a buffer of its own. Fused into the down projection's loads it was
     # recomputed (exp2, rsqrt) for every output column tile: 66% of the H100 prefill (707 us of a ~50 us matmul)
@@ -315,27 +326,29 @@ class LlamaBlock:
     if x.shape[1] > 1 or x.shape[0] > 1 or not self.recompute_rows: hidden = hidden.contiguous()
     return x + self._linear(hidden, self.w_down, blocked=one_token)
 
-  def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, visible: Tensor,
+  def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor | int, visible: Tensor,
                sequence: Tensor) -> Tensor:
     """x (1, B, dim) of a prompt padded to B tokens; cos/sin from `rope_inputs`, broadcast to the projection's (1, B,
     heads + 2 kv, hd); `visible` (B, A) bool: which of the first A cache slots each row attends to; `sequence` (1,)
-    int32: the cache row of this prompt (`write` marks slots of that row only). Grouped-query attention
-    (`enable_gqa`): without a gradient to record, scaled_dot_product_attention folds the query heads that share a KV
-    head into the rows of one matmul per KV head, (kv, group * B, hd) @ (kv, hd, A), keys read once, and builds its
-    graph on lazy buffers (tensor_attention.py)."""
+    int32: the cache row of this prompt (`write` marks slots of that row only). `placement`:
+    `_project_prefill`'s. Grouped-query attention (`enable_gqa`): without a gradient to record,
+    scaled_dot_product_attention folds the query heads that share a KV head into the rows of one matmul per KV head,
+    (1, kv, group * B, hd) @ (1, kv, hd, A), keys read once, and builds its graph on lazy buffers
+    (tensor_attention.py)."""
     config = self.config
     batch, length, _ = x.shape
     kv_heads = config.n_kv_heads
     attended_slots = visible.shape[-1]
-    q = self._project_prefill(x, cos, sin, write, placement)  # (B, heads, hd)
+    q = self._project_prefill(x, cos, sin, write, placement)  # (1, heads, B, hd)
     # read after the write (one kernel writes the cache, none copies it); several sequences: the prompt's row, an
     # indexed read of a host-made index, so one capture serves every row
     cache = self.cache if self.cache.shape[0] == 1 else self.cache[sequence]
-    keys, values = cache[0, :attended_slots, :kv_heads], cache[0, :attended_slots, kv_heads:]  # (A, kv, hd) each
-    keys, values = keys.permute(1, 0, 2), values.permute(1, 0, 2)
-    attended = q.permute(1, 0, 2).scaled_dot_product_attention(
-      keys, values, attn_mask=visible, enable_gqa=True)  # (heads, B, hd)
-    return self._feed_forward(x, attended.permute(1, 0, 2).reshape(batch, length, config.dim))
+    # the K and V heads of the first A slots, heads first (1, kv, A, hd) each: plain views of the cache
+    heads_first = cache.permute(0, 2, 1, 3)
+    keys = heads_first.shrink(((0, 1), (0, kv_heads), (0, attended_slots), (0, config.head_dim)))
+    values = heads_first.shrink(((0, 1), (kv_heads, 2 * kv_heads), (0, attended_slots), (0, config.head_dim)))
+    attended = q.scaled_dot_product_attention(keys, values, attn_mask=visible, enable_gqa=True)  # (1, heads, B, hd)
+    return self._feed_forward(x, attended.permute(0, 2, 1, 3).reshape(batch, length, config.dim))
 
   def decode(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, visible: int | Node,
              mask: Tensor | None, used: Node | None = None) -> Tensor:
@@ -476,6 +489,22 @@ class Llama:
             "last": np.array([length - 1], np.int32), "sequence": np.array([sequence], np.int32)}
     return {name: Tensor(value, device=self.device) for name, value in host.items()}
 
+  def _eager_inputs(self, start: int, length: int, sequence: int) -> dict[str, Tensor | int]:
+    """`_position_inputs` of an eager call as views of what the model holds, nothing made on the host or uploaded:
+    its graph is built for this prompt's shape anyway, so the start may be a constant of its kernels. cos and sin are
+    rows of the decode steps' rope tables (`rope_inputs` of every position: the same values), the write marks a True
+    constant padded to the prompt's slots of cache row `sequence`, the positions, the last row's index and the cache
+    row's views of the slot numbers (the last row and the cache row read by indexed reads, as a jitted call reads
+    them: views there change the kernels' fusion, and the bits: the final norm fused with the last block's sums); the
+    placement is the start, an int."""
+    end = start + length
+    cos, sin = (table.shrink(((start, end), (0, table.shape[1]))) for table in (self.rope_cos, self.rope_sin))
+    marks = Tensor.ones(1, length, 1, 1, dtype=dtypes.bool, device=self.device)
+    write = marks.pad(((sequence, self.sequences - sequence - 1), (start, self.max_context - end), (0, 0), (0, 0)))
+    def slots(first: int, stop: int) -> Tensor: return self.slots.shrink(((first, stop),))
+    return {"cos": cos, "sin": sin, "write": write, "placement": start, "positions": slots(start, end),
+            "last": slots(length - 1, length), "sequence": slots(sequence, sequence + 1)}
+
   def __call__(self, tokens: Tensor | np.ndarray | list[list[int]], start: int, jit: bool = False,
                sequence: int = 0) -> Tensor:
     """The logits (1, vocab) of the last of `tokens` (1, L) fed at positions [start, start + L), K and V cached (in
@@ -497,13 +526,14 @@ class Llama:
       raise ValueError(f"positions {start}..{start + length - 1} exceed the context of {self.max_context} tokens")
     padded, attended = self.prefill_shape(start, length) if jit else (length, start + length)
     tokens_t = Tensor(np.pad(ids, ((0, 0), (0, padded - length))), device=self.device)
-    inputs = self._position_inputs(start, length, padded, sequence)
     if not jit:
-      logits = self._prefill_graph(tokens_t, **inputs, attended=attended, realize_every=PREFILL_REALIZE_EVERY)
+      logits = self._prefill_graph(tokens_t, **self._eager_inputs(start, length, sequence), attended=attended,
+                                   realize_every=PREFILL_REALIZE_EVERY)
       Tensor.realize_all(logits, *(block.cache for block in self.blocks))
       return logits
     # the first call (eager) and the capture realize the residual every PREFILL_REALIZE_EVERY blocks as an eager call
     # does: the blocks after the first replay its cached schedule (a first prompt: ~1 s less CPU on the 2-core CPU)
+    inputs = self._position_inputs(start, length, padded, sequence)
     return self._prefill_jits((padded, attended), tokens_t, *inputs.values(), attended,  # positional: the fast path
                               PREFILL_REALIZE_EVERY)
 
@@ -511,7 +541,7 @@ class Llama:
     """The TinyJit that `model(tokens, start, jit=True)` runs for a prompt of `length` tokens at `start` (profiling)."""
     return self._prefill_jits.jits[self.prefill_shape(start, length)]
 
-  def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor,
+  def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor | int,
                      positions: Tensor, last: Tensor, sequence: Tensor, attended: int,
                      realize_every: int = 0) -> Tensor:
     """The logits (1, vocab) of row `last` of the (1, B) `tokens` at `positions` (B,), attending to the first

@@ -44,7 +44,8 @@ def softmax_weighted_sum(scores: Tensor, values: Tensor, valid: Tensor | None = 
 # where the scores are computed inside the row kernel (ELEMENT_REDUCES); 0: one row kernel over all slots
 ATTENTION_CHUNKS = env_var("ATTENTION_CHUNKS", 0, "a GPU decode step's attention over the cache in this many chunks "
                            "of slots, each a block's scores and partial softmax x V, combined by a second small kernel "
-                           "(with ELEMENT_REDUCES=1; extra/models/llama_rows.py split_softmax_weighted_sum); 0: unsplit")
+                           "(with ELEMENT_REDUCES=1; extra/models/llama_rows.py split_softmax_weighted_sum); "
+                           "0: unsplit")
 
 
 def split_softmax_weighted_sum(scores: Tensor, values: Tensor, chunks: int) -> Tensor:
