@@ -522,10 +522,10 @@ def _sum_parts(partials: LazyBuffer) -> LazyBuffer:
   """A split matmul's partial results (parts first) summed by elementwise adds of one part each: they fuse into the
   consumer (the bias and residual adds, a LayerNorm's row kernel), where a reduce over the parts would be a kernel of
   its own. The first axis is left with size 1."""
-  shape = partials.shape
-  pieces = [partials.shrink(((part, part + 1),) + tuple((0, size) for size in shape[1:])) for part in range(shape[0])]
-  total = pieces[0]
-  for piece in pieces[1:]: total = total.elementwise(Ops.ADD, piece)
+  rest = tuple((0, size) for size in partials.shape[1:])   # (each piece's other axes whole: made once)
+  total = partials.shrink(((0, 1), *rest))
+  for part in range(1, partials.shape[0]):
+    total = total.elementwise(Ops.ADD, partials.shrink(((part, part + 1), *rest)))
   return total
 
 
