@@ -201,6 +201,7 @@ class LlamaBlock:
     # (1, 1, heads + 2 kv_heads, 1): True at the V heads of the fused projection (RoPE leaves them as they are)
     value_heads = np.arange(config.n_heads + 2 * config.n_kv_heads) >= config.n_heads + config.n_kv_heads
     self.value_heads = Tensor(value_heads.reshape(1, 1, -1, 1), device=wq.device).realize()
+    self.value_pairs = self.value_heads.reshape(1, 1, -1, 1, 1)   # (a prefill's RoPE in the pairs' shape)
     # decode: recompute the norms' scales and the softmax's max and sum beside each output of the kernels reading them
     # (`inverse_rms_per_output`, `softmax_weighted_sum`) where thread blocks run those rows side by side, their inputs
     # on chip, and a launch costs more than the repeated work (a GPU). A CPU thread would repeat it serially (the
@@ -233,20 +234,24 @@ class LlamaBlock:
     return (normed if norm is None else normed * norm).contiguous()
 
   def _project_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor | int) -> Tensor:
-    """q (1, heads, B, hd) of x (1, B, dim), rotated (cos and sin broadcast to the projection's (1, B, heads + 2 kv,
-    hd)), after writing the rotated K and the V of its rows to the cache where `write` (1, max_context, 1, 1),
-    broadcast to the cache's shape, is True. `placement`: a host-made int32 (max_context,) index, cache slot p taking
-    row placement[p] (p - start where written), an indexed read, so no kernel depends on the start position (a jitted
-    prefill); or the start itself (an eager call, whose kernels are built for its prompt anyway): the rows padded to
-    the cache's slots, a view.
+    """q (1, heads, B, hd) of x (1, B, dim), rotated (cos and sin broadcast to the projection's pairs (1, B, heads +
+    2 kv, hd / 2, 2)), after writing the rotated K and the V of its rows to the cache where `write` (1, max_context,
+    1, 1), broadcast to the cache's shape, is True. `placement`: a host-made int32 (max_context,) index, cache slot p
+    taking row placement[p] (p - start where written), an indexed read, so no kernel depends on the start position (a
+    jitted prefill); or the start itself (an eager call, whose kernels are built for its prompt anyway): the rows
+    padded to the cache's slots, a view.
     RoPE runs on all Q, K and V heads of the projection at once (V heads selected back unrotated by a constant
-    mask): one kernel makes the rotated rows that the attention (Q) and the cache write (K, V) read."""
+    mask): one kernel makes the rotated rows that the attention (Q) and the cache write (K, V) read. It runs in the
+    pairs' shape, (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin) as x * cos + flip(x) * signed sin (`rope_inputs`'
+    tables, `rotate_pairs`' formula, one view fewer)."""
     config = self.config
     batch, length, _ = x.shape
     heads, head_dim = config.n_heads, config.head_dim
     projected = self._linear(x, self.w_qkv, self.attn_norm) * self._inverse_rms(x)
-    projected = projected.reshape(batch, length, heads + 2 * config.n_kv_heads, head_dim)
-    rotated = self.value_heads.where(projected, rotate_pairs(projected, cos, sin)).contiguous()
+    # RoPE in the pairs' shape (1, B, heads + 2 kv, hd / 2, 2) (cos and sin given in it): the swap is one flip
+    pairs = projected.reshape(batch, length, heads + 2 * config.n_kv_heads, head_dim // 2, 2)
+    rotated = self.value_pairs.where(pairs, pairs * cos + pairs.flip(-1) * sin).contiguous()
+    rotated = rotated.reshape(batch, length, heads + 2 * config.n_kv_heads, head_dim)
     # each slot's row of the rotated projection, its K and V heads (those after the query's) in the cache's shape
     kv_heads = (heads, heads + 2 * config.n_kv_heads)
     if isinstance(placement, int):
@@ -328,9 +333,9 @@ class LlamaBlock:
 
   def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor | int, visible: Tensor,
                sequence: Tensor) -> Tensor:
-    """x (1, B, dim) of a prompt padded to B tokens; cos/sin from `rope_inputs`, broadcast to the projection's (1, B,
-    heads + 2 kv, hd); `visible` (B, A) bool: which of the first A cache slots each row attends to; `sequence` (1,)
-    int32: the cache row of this prompt (`write` marks slots of that row only). `placement`:
+    """x (1, B, dim) of a prompt padded to B tokens; cos/sin from `rope_inputs`, broadcast to the projection's pairs
+    (1, B, heads + 2 kv, hd / 2, 2); `visible` (1, heads, B, A) bool: which of the first A cache slots each row
+    attends to; `sequence` (1,) int32: the cache row of this prompt (`write` marks slots of that row only). `placement`:
     `_project_prefill`'s. Grouped-query attention (`enable_gqa`): without a gradient to record,
     scaled_dot_product_attention folds the query heads that share a KV head into the rows of one matmul per KV head,
     (1, kv, group * B, hd) @ (1, kv, hd, A), keys read once, and builds its graph on lazy buffers
@@ -560,12 +565,14 @@ class Llama:
   def _block_inputs(self, cos: Tensor, sin: Tensor, write: Tensor, positions: Tensor,
                     attended: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A prefill's inputs of every block (`LlamaBlock.__call__`): the rope tables and the write marks broadcast once
-    to the shapes the blocks read them in (the projection's heads, the cache's K and V heads: the views each block's
-    ops would make, without an Expand and a reshape per table in every block), and the visible slots."""
+    to the shapes the blocks read them in (the projection's heads' pairs, the cache's K and V heads: the views each
+    block's ops would make, without an Expand and a reshape per table in every block), and the visible slots,
+    broadcast to the attention's scores per query head (1, heads, B, A)."""
     visible = self.slots[:attended].reshape(1, attended) <= positions.reshape(-1, 1)
+    visible = visible.reshape(1, 1, *visible.shape).expand(1, self.config.n_heads, *visible.shape)
     heads, head_dim = self.config.n_heads + 2 * self.config.n_kv_heads, self.config.head_dim
-    cos, sin = (table.reshape(1, table.shape[0], 1, head_dim).expand(1, table.shape[0], heads, head_dim)
-                for table in (cos, sin))
+    pairs = (cos.shape[0], heads, head_dim // 2, 2)   # (the projection's heads in RoPE's pairs: _project_prefill)
+    cos, sin = (table.reshape(1, table.shape[0], 1, head_dim // 2, 2).expand(1, *pairs) for table in (cos, sin))
     return cos, sin, write.expand(*write.shape[:2], 2 * self.config.n_kv_heads, head_dim), visible
 
   def _step_graph(self, step: Tensor, position: Variable | None) -> Tensor:
