@@ -568,7 +568,7 @@ class Llama:
     to the shapes the blocks read them in (the projection's heads' pairs, the cache's K and V heads: the views each
     block's ops would make, without an Expand and a reshape per table in every block), and the visible slots,
     broadcast to the attention's scores per query head (1, heads, B, A)."""
-    visible = self.slots[:attended].reshape(1, attended) <= positions.reshape(-1, 1)
+    visible = self.slots.shrink(((0, attended),)).reshape(1, attended) <= positions.reshape(-1, 1)
     visible = visible.reshape(1, 1, *visible.shape).expand(1, self.config.n_heads, *visible.shape)
     heads, head_dim = self.config.n_heads + 2 * self.config.n_kv_heads, self.config.head_dim
     pairs = (cos.shape[0], heads, head_dim // 2, 2)   # (the projection's heads in RoPE's pairs: _project_prefill)
