@@ -42,6 +42,7 @@ from ourgrad.function import Function, Matmul, _tensor_class
 from ourgrad.function_movement import Permute, Reshape, Shrink
 from ourgrad.helpers import DEBUG, FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD, FUSED_ATTENTION_PACKED, tf32_allowed
 from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy_reduce import reduce_product
 from ourgrad.lazy_views import place_through_view, tiles_one_base
 from ourgrad.ops import Ops
 from ourgrad.tensor_reduce import _softmax_lazy
@@ -208,8 +209,8 @@ def _product_with_rows(x: LazyBuffer, rows: LazyBuffer, shape: tuple[int, ...]) 
   two ops fewer)."""
   x_rows = x.reshape(x.shape[:-1] + (1, x.shape[-1]))
   columns = rows.reshape(rows.shape[:-2] + (1,) + rows.shape[-2:])
-  product = F._mul(F._broadcast_to(x_rows, shape), F._broadcast_to(columns, shape))
-  return product.reduce(Ops.SUM, (len(shape) - 1,)).reshape(shape[:-1])
+  return reduce_product(F._broadcast_to(x_rows, shape), F._broadcast_to(columns, shape), len(shape) - 1).reshape(
+    shape[:-1])
 
 
 def _masked_softmax_lazy(scores: LazyBuffer, axis: int) -> LazyBuffer:
