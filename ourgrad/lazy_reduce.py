@@ -500,13 +500,14 @@ def _remembered_product_plan(x: LazyBuffer, y: LazyBuffer, axis: int) -> Any:
   """What reduce_plan remembered for the SUM over `axis` of the product base x * y would make (its _plan_key, built
   from x and y: the product's identity view of their shape, op MUL, unrealized): a SplitMatmul or None (no split), else
   _MISSING (a product elementwise would fold or reduce would not plan, a CPU, a decision not made yet, another plan)."""
-  shape = x.shape
-  if y.shape != shape or y.dtype is not x.dtype or y.device != x.device or shape[axis] == 1: return _MISSING
-  if (x._base or x).op is CONST or (y._base or y).op is CONST or x.device.startswith("DISK"): return _MISSING
-  for size in shape:   # (_plan_key: a Variable's view is not remembered; an empty reduce is a constant)
-    if type(size) is not int or size == 0: return _MISSING
+  if x.device.startswith("DISK"): return _MISSING
   renderer = Device[x.device].renderer
   if not renderer.runs_thread_blocks: return _MISSING   # (a host CPU's plans read more than the key: packing)
+  shape = x.shape
+  if y.shape != shape or y.dtype is not x.dtype or y.device != x.device or shape[axis] == 1: return _MISSING
+  if (x._base or x).op is CONST or (y._base or y).op is CONST: return _MISSING
+  for size in shape:   # (_plan_key: a Variable's view is not remembered; an empty reduce is a constant)
+    if type(size) is not int or size == 0: return _MISSING
   key = (Ops.SUM, (axis,), True, x.device, x.dtype, ShapeTracker.from_shape(shape), shape, MUL, False, False,
          (_factor_facts(x), _factor_facts(y)), (MATMUL_GRID.value, tf32_allowed()), _device_facts(renderer))
   plan = _PLANS.get(key, _MISSING)
