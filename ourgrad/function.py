@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ourgrad.dtype import DType, dtypes
 from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy_reduce import reduce_product
 from ourgrad.lazy_views import Storage
 from ourgrad.mixed_precision import store_low_precision
 from ourgrad.ops import (
@@ -587,7 +588,7 @@ class Matmul(Function):
     """x_rows (..., m, 1, k) times y_columns (..., 1, n, k), both broadcast to `shape`, summed over k: (..., m, n)."""
     self.shape, self.x_rows_shape, self.y_columns_shape = shape, x_rows.shape, y_columns.shape
     self.x, self.y = _broadcast_to(x_rows, shape), _broadcast_to(y_columns, shape)
-    return _mul(self.x, self.y).reduce(SUM, (len(shape) - 1,)).reshape(shape[:-1])
+    return reduce_product(self.x, self.y, len(shape) - 1).reshape(shape[:-1])   # (a remembered split: no product)
 
   def saved_values(self) -> list[LazyBuffer]:   # each operand is needed only for the other's gradient (as Mul)
     return [value for value, needed in ((self.y, self.needs_input_grad[0]), (self.x, self.needs_input_grad[1]))

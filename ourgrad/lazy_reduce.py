@@ -28,6 +28,7 @@ from ourgrad.dtype import dtypes
 from ourgrad.helpers import MATMUL_GRID, prod, register_cache_clearer, tf32_allowed
 from ourgrad.ops import CAST, CONST, ELEMENTWISE_OPS, MUL, Ops
 from ourgrad.shape.symbolic import is_symbolic
+from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.view import strides_for_shape
 
 if TYPE_CHECKING:
@@ -454,21 +455,63 @@ def _matmul_dims(lazy: LazyBuffer, axes: tuple[int, ...]) -> tuple[int, int, int
 
 
 def _split_matmul(lazy: LazyBuffer, axis: int, parts: int, out_shape: tuple[int, ...]) -> LazyBuffer:
-  """The matmul `lazy` summed over `axis` (_matmul_dims) as `parts` partial products summed by _sum_parts: each
-  factor viewed with K as (parts, K / parts) and the parts axis moved after the product's leading batch axes, then
-  multiplied again, so the partial products are one plain product, batched over the parts (operand staging,
-  engine/operand_staging.py, reads it as such: a factor it stages K-major is one (parts, M, K / parts) copy)."""
-  shape = lazy.shape
+  """The matmul `lazy` summed over `axis` (_matmul_dims) as `parts` partial products summed by _sum_parts
+  (`_split_product` of its factors)."""
+  left, right = lazy.base.srcs
+  return _split_product(left, right, axis, parts, out_shape)
+
+
+def _split_product(left: LazyBuffer, right: LazyBuffer, axis: int, parts: int,
+                   out_shape: tuple[int, ...]) -> LazyBuffer:
+  """left * right (views of a matmul's factors, of one shape) summed over `axis` as `parts` partial products summed by
+  _sum_parts: each factor viewed with K as (parts, K / parts) and the parts axis moved after the product's leading
+  batch axes, then multiplied, so the partial products are one plain product, batched over the parts (operand
+  staging, engine/operand_staging.py, reads it as such: a factor it stages K-major is one (parts, M, K / parts)
+  copy)."""
+  shape = left.shape
   split_shape = shape[:axis] + (parts, shape[axis] // parts) + shape[axis + 1:]
   # after the batch axes both factors vary along (in a stored factor they then merge with the parts: no copy), before
   # the output axes the kernel tiles (a weight gradient's channels, as without the split)
-  strides = [src.st.views[-1].strides for src in lazy.base.srcs]
+  strides = [factor.st.views[-1].strides for factor in (left, right)]
   place = 0
   while place < axis and (shape[place] == 1 or all(factor[place] != 0 for factor in strides)): place += 1
   order = (*range(place), axis, *(a for a in range(place, len(split_shape)) if a != axis))
-  left, right = (factor.reshape(split_shape).permute(order) for factor in lazy.base.srcs)
+  left, right = (factor.reshape(split_shape).permute(order) for factor in (left, right))
   partials = left.elementwise(Ops.MUL, right).reduce(Ops.SUM, (axis + 1,), split=False)
   return _sum_parts(partials.permute((place, *(a for a in range(len(split_shape)) if a != place)))).reshape(out_shape)
+
+
+def reduce_product(x: LazyBuffer, y: LazyBuffer, axis: int) -> LazyBuffer:
+  """(x * y) summed over `axis`, kept as size 1: a matmul's product (Matmul's forward; x and y views of its factors, of
+  one shape, dtype and device), as LazyBuffer.reduce of the product builds it. Where reduce_plan has remembered its
+  decision for that product (every repeated eager step) it is applied here, from the key made once: a split
+  (SplitMatmul) is built from x and y, so the whole product, which the split only reads the factors of, is never made
+  (made, it was a base, a traced op and a plan key thrown away); no split is the product's plain reduce."""
+  plan = _remembered_product_plan(x, y, axis)
+  if plan is _MISSING: return x.elementwise(Ops.MUL, y).reduce(Ops.SUM, (axis,))   # (decided and remembered there)
+  plan_stats.remembered += 1
+  out_shape = x.shape[:axis] + (1,) + x.shape[axis + 1:]
+  if plan is not None: return _split_product(x, y, axis, plan.parts, out_shape)
+  product = x.elementwise(Ops.MUL, y)
+  return product.create_base(product.device, out_shape, product.dtype, Ops.SUM, (axis,), (product,))
+
+
+def _remembered_product_plan(x: LazyBuffer, y: LazyBuffer, axis: int) -> Any:
+  """What reduce_plan remembered for the SUM over `axis` of the product base x * y would make (its _plan_key, built
+  from x and y: the product's identity view of their shape, op MUL, unrealized): a SplitMatmul or None (no split), else
+  _MISSING (a product elementwise would fold or reduce would not plan, a CPU, a decision not made yet, another plan)."""
+  if x.device.startswith("DISK"): return _MISSING
+  renderer = Device[x.device].renderer
+  if not renderer.runs_thread_blocks: return _MISSING   # (a host CPU's plans read more than the key: packing)
+  shape = x.shape
+  if y.shape != shape or y.dtype is not x.dtype or y.device != x.device or shape[axis] == 1: return _MISSING
+  if (x._base or x).op is CONST or (y._base or y).op is CONST: return _MISSING
+  for size in shape:   # (_plan_key: a Variable's view is not remembered; an empty reduce is a constant)
+    if type(size) is not int or size == 0: return _MISSING
+  key = (Ops.SUM, (axis,), True, x.device, x.dtype, ShapeTracker.from_shape(shape), shape, MUL, False, False,
+         (_factor_facts(x), _factor_facts(y)), (MATMUL_GRID.value, tf32_allowed()), _device_facts(renderer))
+  plan = _PLANS.get(key, _MISSING)
+  return plan if plan is None or isinstance(plan, SplitMatmul) else _MISSING
 
 
 def _dense_matmul_dims(lazy: LazyBuffer, axes: tuple[int, ...]) -> tuple[int, int, int] | None:
@@ -522,10 +565,10 @@ def _sum_parts(partials: LazyBuffer) -> LazyBuffer:
   """A split matmul's partial results (parts first) summed by elementwise adds of one part each: they fuse into the
   consumer (the bias and residual adds, a LayerNorm's row kernel), where a reduce over the parts would be a kernel of
   its own. The first axis is left with size 1."""
-  shape = partials.shape
-  pieces = [partials.shrink(((part, part + 1),) + tuple((0, size) for size in shape[1:])) for part in range(shape[0])]
-  total = pieces[0]
-  for piece in pieces[1:]: total = total.elementwise(Ops.ADD, piece)
+  rest = tuple((0, size) for size in partials.shape[1:])   # (each piece's other axes whole: made once)
+  total = partials.shrink(((0, 1), *rest))
+  for part in range(1, partials.shape[0]):
+    total = total.elementwise(Ops.ADD, partials.shrink(((part, part + 1), *rest)))
   return total
 
 

@@ -29,6 +29,7 @@ from ourgrad import function_movement as FM
 from ourgrad.dtype import dtypes, least_upper_dtype
 from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.helpers import prod
+from ourgrad.lazy import LazyBuffer
 from ourgrad.tensor_conv import ConvMixin
 from ourgrad.tensor_einsum import EinsumMixin
 from ourgrad.tensor_resize import ResizeMixin
@@ -39,7 +40,6 @@ from ourgrad.ops import ADD, AND, CMPLT, CMPNE, NEG, RECIP, SQRT, SUM
 
 
 if TYPE_CHECKING:
-  from ourgrad.lazy import LazyBuffer
   from ourgrad.multi import MultiLazyBuffer
   from ourgrad.tensor import Tensor
 
@@ -203,7 +203,6 @@ def _one_layernorm_node(x: Tensor, operands: list[Tensor]) -> bool:
   """Whether `layernorm` builds its graph as one LayerNormalize node: x a float32 or float64 lazy buffer (half
   precision sums in float32 and rounds: the composed path) with nonzero normalized axes, and the affine operands of
   its dtype and device, shaped to broadcast against it without growing it."""
-  from ourgrad.lazy import LazyBuffer
   lazy = x._lazydata
   if type(lazy) is not LazyBuffer or lazy.dtype not in (dtypes.float32, dtypes.float64) or 0 in lazy.shape:
     return False
@@ -274,6 +273,21 @@ class LayerNormalize(F.Function):
     return tuple(grads)
 
 
+def _plain_float_lazy(x: Tensor) -> bool:
+  """Whether x is one float32/float64 lazy buffer of concrete nonzero sizes (what lazy-buffer composites take)."""
+  lazy = x._lazydata
+  return type(lazy) is LazyBuffer and lazy.dtype in (dtypes.float32, dtypes.float64) and \
+    all(type(size) is int and size > 0 for size in lazy.shape)
+
+
+def _inverse_rms_lazy(x: LazyBuffer, axes: tuple[int, ...], eps: float) -> LazyBuffer:
+  """Tensor.inverse_rms's graph on a float lazy buffer, op for op as its Tensor ops build it: x * x, its mean
+  (`_mean_of`), + eps (a scalar at the reduced shape, as Tensor's + makes it), then Rsqrt's square root and
+  reciprocal."""
+  mean = _mean_of(F._mul(x, x), axes, prod(x.shape[axis] for axis in axes))
+  return mean.elementwise(ADD, mean.operand_like(eps)).elementwise(SQRT).elementwise(RECIP)
+
+
 def _mean_of(x: LazyBuffer, axes: tuple[int, ...], count: int) -> LazyBuffer:
   """Tensor.mean(axes, keepdim=True)'s graph on a float lazy buffer: the sum, divided by the count."""
   total = x.reduce(SUM, axes)
@@ -310,6 +324,22 @@ class NNMixin(ConvMixin, ResizeMixin, EinsumMixin):
     normalized = centered * (centered.square().mean(axes, keepdim=True) + eps).rsqrt()
     if weight is not None: normalized = normalized * weight
     return normalized if bias is None else normalized + bias
+
+  @autocast_op(CastPolicy.FLOAT32)   # (as torch's rms_norm: the mean of squares in float32)
+  def inverse_rms(self: Tensor, axis: int | Sequence[int] = -1, eps: float = 0.0) -> Tensor:
+    """1 / sqrt(mean(x^2) + eps) over `axis` (an int or a tuple of axes), kept as size-1 dims: the scale of an RMS norm
+    (nn.RMSNorm: x * x.inverse_rms(axes, eps) * weight; a model may apply it after a product instead). Without a
+    gradient to record (inference), a float32/float64 tensor's graph is built straight on lazy buffers: the same
+    ops (the square, the sum, the division by the count, + eps, rsqrt's square root and reciprocal), without a Tensor
+    and an autograd node for each (`_inverse_rms_lazy`)."""
+    axes = (int(axis),) if isinstance(axis, Integral) else tuple(axis)
+    lazy = self._lazydata
+    if _plain_float_lazy(self) and (type(self).no_grad or not self.requires_grad):
+      normalized_axes = tuple(sorted({self._axis(axis) for axis in axes}))
+      if len(normalized_axes) == len(axes):
+        unknown = not type(self).no_grad and self.requires_grad is None
+        return type(self)(_inverse_rms_lazy(lazy, normalized_axes, eps), requires_grad=None if unknown else False)
+    return (self.square().mean(axes, keepdim=True) + eps).rsqrt()
 
   def dropout(self: Tensor, p: float = 0.5, training: bool | None = None) -> Tensor:
     """While training, zero each element with probability p and scale the others by 1 / (1 - p), so the

@@ -26,6 +26,7 @@ from ourgrad.engine import operand_staging
 from ourgrad.engine.realize import run_schedule
 from ourgrad.engine.schedule import create_schedule
 from ourgrad.helpers import _float32_matmul_precision
+from ourgrad.lazy import LazyBuffer
 from ourgrad.lazy_reduce import _matmul_dims
 from ourgrad.ops import Ops
 
@@ -231,3 +232,31 @@ def test_remembered_split_choices_follow_the_thresholds(monkeypatch) -> None:
   assert matmul_grid.wgmma_split_parts(1, 768, 768, 4096, 4, 132, shared) > 1
   monkeypatch.setattr(matmul_grid, "SPLIT_MIN_K", 1 << 20)
   assert matmul_grid.wgmma_split_parts(1, 768, 768, 4096, 4, 132, shared) == 1
+
+
+def test_repeated_split_product_is_built_from_its_factors(monkeypatch) -> None:
+  """A matmul built again (an eager step's second call): reduce_plan remembered its split, and the partial products are
+  built from the factors' views without the whole (48, 80, 1536) product the first build made and threw away; the
+  same kernels, the same values bit for bit."""
+  a_np, b_np = _inputs(((48, 1536), (80, 1536)), seed=6)
+  monkeypatch.setattr(matmul_grid, "GRID_MIN_MACS", 1)
+  monkeypatch.setattr(split_reduce, "FACTS_OVERRIDE", split_reduce.SplitFacts(2, 2048))
+  made: list[tuple] = []
+  create = LazyBuffer.create_base
+  monkeypatch.setattr(LazyBuffer, "create_base", staticmethod(
+    lambda *args, **kwargs: made.append((args[3], args[1])) or create(*args, **kwargs)))
+  with emulated_gpu_tf32(monkeypatch, "CUDA"):
+    ourgrad.set_float32_matmul_precision("highest")
+    a, b = (Tensor(x, device="PYTHON").realize() for x in (a_np, b_np))
+    outcome = []
+    for _ in range(2):
+      made.clear()
+      out = a @ b.T
+      whole = [shape for op, shape in made if op is Ops.MUL and shape == (48, 80, 1536)]
+      values = out.numpy().tobytes()
+      items = [item.ast for item in create_schedule([(a @ b.T).lazydata]) if item.ast.op is not Ops.COPY]
+      outcome.append((len(whole), items, values))
+  assert outcome[0][0] == 1 and outcome[1][0] == 0, outcome   # (the first build's product, thrown away by the split)
+  assert outcome[0][1] == outcome[1][1] and len(outcome[1][1]) == 2 and outcome[0][2] == outcome[1][2]
+  want = a_np.astype(np.float64) @ b_np.astype(np.float64).T
+  assert _relative_error(np.frombuffer(outcome[1][2], np.float32).reshape(48, 80), want) < 1e-5

@@ -4,9 +4,10 @@ of one block by the line of extra/models/llama.py that spent them (the line a fr
 a helper), with `--files` by the file that ran them. Bytecodes do not move with a loaded machine: compare trees by
 them, and by time on a quiet one (the H200's host).
 
-Run: `python extra/bench/probe_prefill_graph.py [--device CUDA] [--calls 10] [--lines] [--files]`; on a CPU device
-the prompt is 32 tokens of 2 blocks unless `--length`/`--layers` say otherwise, and the timed calls run every compiled
-kernel as a no-op (bench_eager.host_kernels_disabled: their time is the host's).
+Run: `python extra/bench/probe_prefill_graph.py [--device CUDA] [--calls 10] [--lines] [--files] [--digest]`
+(`--digest`: only the eager and jitted prefills' digests, which trees that compute the same values share); on a CPU
+device the prompt is 32 tokens of 2 blocks unless `--length`/`--layers` say otherwise, and the timed calls run every
+compiled kernel as a no-op (bench_eager.host_kernels_disabled: their time is the host's).
 """
 from __future__ import annotations
 
@@ -106,6 +107,8 @@ def main() -> None:
   parser.add_argument("--calls", type=int, default=10, help="prefills per timing (best of 3)")
   parser.add_argument("--lines", action="store_true", help="one block's bytecodes by the model's line")
   parser.add_argument("--files", action="store_true", help="one block's bytecodes by file")
+  parser.add_argument("--digest", action="store_true", help="only the digests of an eager and a jitted prefill's "
+                      "logits and last cache (each from fresh caches), then exit")
   parser.add_argument("--block-only", action="store_true", help="no prefill run, only one block's graph (an emulated "
                       "device: DEVICE=PYTHON EMULATE=CUDA builds CUDA's graph without running its kernels)")
   args = parser.parse_args()
@@ -121,12 +124,22 @@ def main() -> None:
   sync = Device[device].synchronize
 
   def call() -> None: model(prompt, 0)
+  if args.digest:
+    for jit in (False, True):
+      model.reset()
+      for _ in range(3 if jit else 1): logits = model(prompt, 0, jit=jit).numpy()   # (a capture on the second call)
+      print(f"{'TinyJit' if jit else 'eager'} logits and last cache: sha1 {digest(model, logits)}")
+    return
   if not args.block_only:
     logits = model(prompt, 0).numpy()
-    digest = hashlib.sha1(logits.tobytes() + model.blocks[-1].cache.numpy().tobytes()).hexdigest()[:16]
-    print(f"logits and last cache: sha1 {digest} (trees that build the same values print the same)")
+    print(f"logits and last cache: sha1 {digest(model, logits)} (trees that build the same values print the same)")
     time_prefills(call, sync, args.calls, cuda, f"({layers} blocks, {length} tokens, {device})")
   block_graph(model, prompt, device, args.lines, args.files)
+
+
+def digest(model: llama.Llama, logits: np.ndarray) -> str:
+  """A short hash of a prefill's logits and its last block's cache."""
+  return hashlib.sha1(logits.tobytes() + model.blocks[-1].cache.numpy().tobytes()).hexdigest()[:16]
 
 
 def time_prefills(call: Callable[[], None], sync: Callable[[], None], calls: int, cuda: bool, label: str) -> None:
@@ -156,7 +169,9 @@ def block_graph(model: llama.Llama, prompt: np.ndarray, device: str, by_line: bo
   (`by_line`) and by file (`by_file`)."""
   length = prompt.shape[1]
   block = model.blocks[min(1, len(model.blocks) - 1)]
-  inputs = model._position_inputs(0, length, length)
+  # (an eager call's inputs: views of the model's tables where the tree has them)
+  eager = getattr(model, "_eager_inputs", None)
+  inputs = eager(0, length, 0) if eager is not None else model._position_inputs(0, length, length)
   x = model.embed(Tensor(prompt, device=device)).realize()
   if hasattr(model, "_block_inputs"):
     cos, sin, write, visible = model._block_inputs(inputs["cos"], inputs["sin"], inputs["write"],

@@ -68,8 +68,7 @@ def prefill_graph_every(model: Llama, every: int) -> Callable:
   """Llama._prefill_graph with the residual stream (and the caches written so far) realized after every `every`
   blocks."""
   def build(tokens, cos, sin, write, placement, positions, last, sequence, attended, realize_every=0):
-    visible = model.slots[:attended].reshape(1, attended) <= positions.reshape(-1, 1)
-    cos, sin = (table.reshape(1, table.shape[0], 1, table.shape[1]) for table in (cos, sin))
+    cos, sin, write, visible = model._block_inputs(cos, sin, write, positions, attended)   # (the blocks' shapes)
     x = model.embed(tokens)
     for index, block in enumerate(model.blocks):
       x = block(x, cos, sin, write, placement, visible, sequence)

@@ -45,12 +45,14 @@ import numpy as np
 
 from ourgrad import Tensor, TinyJit, dtypes
 from ourgrad.device import Device, PendingRead
-from ourgrad.helpers import ELEMENT_REDUCES, INTEGER_PRODUCTS, env_var
+from ourgrad.helpers import ELEMENT_REDUCES, INTEGER_PRODUCTS
 from ourgrad.errors import ShapeError
 from ourgrad.nn.gguf import INTEGER_PRODUCT_TYPES, PackedTensor, gguf_load
 from ourgrad.shape import Variable
 from ourgrad.shape.symbolic import Node
 
+from extra.models.llama_rows import (ATTENTION_CHUNKS, inverse_rms_per_output, packed_argmax, row_layout,
+                                     softmax_weighted_sum, split_softmax_weighted_sum)
 from extra.models.shape_jits import ShapeJits
 
 
@@ -117,87 +119,13 @@ def cast_weights(weights: dict[str, Tensor], dtype: Any) -> dict[str, Tensor]:
 
 def inverse_rms(x: Tensor, eps: float) -> Tensor:
   """1 / sqrt(mean(x^2) + eps) over the last axis (kept, size 1)."""
-  return (x.square().mean(-1, keepdim=True) + eps).rsqrt()
+  return x.inverse_rms(-1, eps)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
   """x / sqrt(mean(x^2) + eps) * weight over the last axis."""
   return x * inverse_rms(x, eps) * weight
 
-
-def inverse_rms_per_output(x: Tensor, outputs: int, eps: float, row_layout: tuple[int, ...] | None = None) -> Tensor:
-  """inverse_rms(x) broadcast to (..., `outputs`), its mean of squares computed in the loop shape of a product
-  x @ W.T with `outputs` columns ((rows, outputs, k), reduced over k): the product's kernel then holds both reduces
-  over the same rows (a row kernel) and recomputes the scale beside each output, where a scale of shape (..., 1)
-  is a kernel of its own. For one short row of x (a decode step); with many rows it would turn a tiled matmul into
-  a row kernel. `row_layout`: the product's k in blocks (a packed weight's `PackedTensor.row_blocks`), so that both
-  reduces share its loop shape and axes."""
-  flat = x.reshape(-1, x.shape[-1])
-  squares = flat.unsqueeze(-2).expand(flat.shape[0], outputs, flat.shape[1]).square()
-  if row_layout is not None: squares = squares.reshape(flat.shape[0], outputs, *row_layout)
-  return (squares.mean(tuple(range(2, squares.ndim))) + eps).rsqrt().reshape(*x.shape[:-1], outputs)
-
-
-def softmax_weighted_sum(scores: Tensor, values: Tensor, valid: Tensor | None = None) -> Tensor:
-  """softmax(scores) @ values for scores (..., m, n) and values (..., n, d), with the softmax's max and sum computed
-  in the product's loop shape (..., m, d, n): the product's kernel holds all three reduces over the same rows (a
-  row kernel: max, then the sums of e = exp(s - max) and of e * v), recomputing max and sum beside each of the d
-  outputs, where a plain softmax is two kernels of its own before the product. For few rows (one query).
-  `valid` (bool, broadcastable to (..., m, n)): the scores where it is False are -inf (left out), applied in the row
-  kernel itself (on the scores it would be the scores kernel's output): a `valid` that is a mask of a bound Variable
-  (the slots in use) lets the row kernel's rounds end there (codegen/bounded_loops.py `row_end`)."""
-  rows = scores.unsqueeze(-2).expand(*scores.shape[:-1], values.shape[-1], scores.shape[-1])  # (..., m, d, n)
-  if valid is not None: rows = valid.unsqueeze(-2).where(rows, -math.inf)
-  exps = (rows - rows.max(-1, keepdim=True)).exp()
-  weighted = (exps * values.transpose(-1, -2).unsqueeze(-3)).sum(-1)
-  return (weighted / exps.sum(-1)).contiguous()   # stored by this kernel: a reader's kernel would refuse its reduces
-
-
-# a GPU decode step's slots in use (the `used` Variable) are bound in steps of this many slots (Llama.used_granule)
-USED_GRANULE = 32
-
-# decode attention over the whole cache (fixed shapes) in this many chunks of slots (`split_softmax_weighted_sum`),
-# where the scores are computed inside the row kernel (ELEMENT_REDUCES); 0: one row kernel over all slots
-ATTENTION_CHUNKS = env_var("ATTENTION_CHUNKS", 0, "a GPU decode step's attention over the cache in this many chunks "
-                           "of slots, each a block's scores and partial softmax x V, combined by a second small kernel "
-                           "(with ELEMENT_REDUCES=1; extra/models/llama.py split_softmax_weighted_sum); 0: unsplit")
-
-
-def split_softmax_weighted_sum(scores: Tensor, values: Tensor, chunks: int) -> Tensor:
-  """softmax(scores) @ values as `softmax_weighted_sum`, for scores (..., m, n) and values (..., n, d), with the n
-  slots split into `chunks` pieces (a divisor of n), as flash-decoding does: each piece's rows (..., m, chunk, d)
-  reduce over n / chunks slots only (its max, sum of exp and weighted sum: one row kernel whose blocks each read a
-  piece of the cache, not all of it), storing the piece's normalized weighted sum and its log-sum-exp; then the
-  pieces are combined by their softmax weights (`softmax_weighted_sum` over the pieces' log-sum-exps). A piece
-  whose scores are all -inf (the cache's unwritten tail under the mask) has log-sum-exp -inf and weight 0."""
-  *lead, m, n = scores.shape
-  d, length = values.shape[-1], n // chunks
-  # one more column holds each piece's log-sum-exp beside its d outputs; 8 (whole 32-byte rows) keep the rows of a
-  # piece a multiple of 8, so that blocks share a piece's staged scores (d + 1 = 65 left 3 rows a block)
-  extra = 8
-  pieces = scores.reshape(*lead, m, chunks, length)
-  rows = pieces.unsqueeze(-2).expand(*lead, m, chunks, d + extra, length)            # (..., m, chunks, d + 8, length)
-  # the values widened to d + 8 columns by a view (the extra columns repeat the first ones; their sums are not read):
-  # a pad would make the scheduler store the values (a masked read of the cache-write's `where`)
-  wide = values.unsqueeze(-2).expand(*values.shape[:-1], 2, d).reshape(*values.shape[:-1], 2 * d)[..., :d + extra]
-  wide = wide.reshape(*lead, 1, chunks, length, d + extra)
-  # the shift is the max, but finite where a piece is all -inf: exp(-inf - shift) = 0 there, never NaN
-  shift = rows.max(-1, keepdim=True).maximum(-3.0e38)
-  exps = (rows - shift).exp()
-  weighted = (exps * wide.transpose(-1, -2)).sum(-1)
-  shift = shift.squeeze(-1)
-  lse = shift + exps.sum(-1).log()
-  # weighted / sum as weighted * exp(shift - lse): the sum read once (the scheduler keeps each reduce to one reader);
-  # lse.maximum(shift): a sum of 0 (an all -inf piece, weighted 0) divides by 1
-  last = Tensor.arange(d + extra, device=scores.device) == d
-  parts = last.where(lse, weighted * (shift - lse.maximum(shift)).exp()).contiguous()  # (..., m, chunks, d + 8)
-  return softmax_weighted_sum(parts[..., d].unsqueeze(-2), parts[..., :d]).reshape(*lead, m, d)
-
-
-def row_layout(weight: Tensor | PackedTensor) -> tuple[int, ...] | None:
-  """How a decode step's product with `weight` lays out k (`LlamaBlock._linear(blocked=True)`): a packed weight's
-  blocks (`PackedTensor.row_blocks`), else None (one axis)."""
-  return weight.row_blocks if isinstance(weight, PackedTensor) else None
 
 
 def rope_angles(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -231,24 +159,8 @@ def rotate_pairs(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
   return x * cos + swapped * signed_sin
 
 
-def ordered_bits(x: Tensor) -> Tensor:
-  """float32 values as int32 whose signed order is the floats' order (NaN aside): a negative float's magnitude bits
-  flipped, so that a more negative float is a smaller integer. -0.0 is -1, just below +0.0's 0."""
-  bits = x.cast(dtypes.float32).bitcast(dtypes.int32)
-  return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-def packed_argmax(logits: Tensor, countdown: Tensor) -> Tensor:
-  """The first index of each row's max of `logits` (..., n), int32, as one max reduce over a 64-bit key per element:
-  the value's `ordered_bits` in the high half, `countdown` (n,) (n - index, a realized table: an arange would be a
-  kernel of its own in every step) in the low half, so the largest key is the largest value at its first index. A
-  max, then a max of the indices reaching it, were two reduces each read of the whole row (two split reduces on a GPU,
-  four kernels for a vocabulary; this is two). NaN logits are not looked for, as Tensor.argmax does."""
-  length = logits.shape[-1]
-  key = ordered_bits(logits).cast(dtypes.int64) * (1 << 32) + countdown.reshape(length).cast(dtypes.int64)
-  best = key.max(-1)
-  low = best - (best >> 32) * (1 << 32)   # the countdown: the key's low 32 bits (its high half is floor(key / 2^32))
-  return (length - low).cast(dtypes.int32)
+# a GPU decode step's slots in use (the `used` Variable) are bound in steps of this many slots (Llama.used_granule)
+USED_GRANULE = 32
 
 
 class LlamaBlock:
@@ -289,6 +201,7 @@ class LlamaBlock:
     # (1, 1, heads + 2 kv_heads, 1): True at the V heads of the fused projection (RoPE leaves them as they are)
     value_heads = np.arange(config.n_heads + 2 * config.n_kv_heads) >= config.n_heads + config.n_kv_heads
     self.value_heads = Tensor(value_heads.reshape(1, 1, -1, 1), device=wq.device).realize()
+    self.value_pairs = self.value_heads.reshape(1, 1, -1, 1, 1)   # (a prefill's RoPE in the pairs' shape)
     # decode: recompute the norms' scales and the softmax's max and sum beside each output of the kernels reading them
     # (`inverse_rms_per_output`, `softmax_weighted_sum`) where thread blocks run those rows side by side, their inputs
     # on chip, and a launch costs more than the repeated work (a GPU). A CPU thread would repeat it serially (the
@@ -320,24 +233,37 @@ class LlamaBlock:
     normed = x * self._inverse_rms(x)
     return (normed if norm is None else normed * norm).contiguous()
 
-  def _project_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor) -> Tensor:
-    """q (B, heads, hd) of x (1, B, dim), rotated (cos and sin broadcast to the projection's (1, B, heads + 2 kv,
-    hd)), after writing the rotated K and the V of its rows to the cache where `write` (1, max_context, 1, 1),
-    broadcast to the cache's shape, is True: cache slot p takes row placement[p] (a host-made int32
-    (max_context,) index, p - start where written), an indexed read, so no kernel depends on the start position.
+  def _project_prefill(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor | int) -> Tensor:
+    """q (1, heads, B, hd) of x (1, B, dim), rotated (cos and sin broadcast to the projection's pairs (1, B, heads +
+    2 kv, hd / 2, 2)), after writing the rotated K and the V of its rows to the cache where `write` (1, max_context,
+    1, 1), broadcast to the cache's shape, is True. `placement`: a host-made int32 (max_context,) index, cache slot p
+    taking row placement[p] (p - start where written), an indexed read, so no kernel depends on the start position (a
+    jitted prefill); or the start itself (an eager call, whose kernels are built for its prompt anyway): the rows
+    padded to the cache's slots, a view.
     RoPE runs on all Q, K and V heads of the projection at once (V heads selected back unrotated by a constant
-    mask): one kernel makes the rotated rows that the attention (Q) and the cache write (K, V) read."""
+    mask): one kernel makes the rotated rows that the attention (Q) and the cache write (K, V) read. It runs in the
+    pairs' shape, (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin) as x * cos + flip(x) * signed sin (`rope_inputs`'
+    tables, `rotate_pairs`' formula, one view fewer)."""
     config = self.config
     batch, length, _ = x.shape
     heads, head_dim = config.n_heads, config.head_dim
     projected = self._linear(x, self.w_qkv, self.attn_norm) * self._inverse_rms(x)
-    projected = projected.reshape(batch, length, heads + 2 * config.n_kv_heads, head_dim)
-    rotated = self.value_heads.where(projected, rotate_pairs(projected, cos, sin)).contiguous()
-    # each slot's row of the rotated projection, its K and V columns (the heads after the query's) in the cache's shape
-    rows = rotated.reshape(length, -1)[placement]
-    placed = rows.shrink((None, (heads * head_dim, rows.shape[1]))).reshape(1, *self.cache.shape[1:])
-    self.cache.assign(write.where(placed, self.cache))
-    return rotated[0, :, :heads]
+    # RoPE in the pairs' shape (1, B, heads + 2 kv, hd / 2, 2) (cos and sin given in it): the swap is one flip
+    pairs = projected.reshape(batch, length, heads + 2 * config.n_kv_heads, head_dim // 2, 2)
+    rotated = self.value_pairs.where(pairs, pairs * cos + pairs.flip(-1) * sin).contiguous()
+    rotated = rotated.reshape(batch, length, heads + 2 * config.n_kv_heads, head_dim)
+    # each slot's row of the rotated projection, its K and V heads (those after the query's) in the cache's shape
+    kv_heads = (heads, heads + 2 * config.n_kv_heads)
+    if isinstance(placement, int):
+      slots = self.cache.shape[1]
+      rows = rotated.shrink(((0, 1), (0, length), kv_heads, (0, head_dim)))
+      rows = rows.pad(((0, 0), (placement, slots - placement - length), (0, 0), (0, 0)))
+    else:
+      flat = rotated.reshape(length, -1)[placement]
+      rows = flat.shrink(((0, flat.shape[0]), (heads * head_dim, flat.shape[1]))).reshape(1, *self.cache.shape[1:])
+    self.cache.assign(write.where(rows, self.cache))
+    # the query heads, heads first (1, heads, B, hd): plain views, a shrink and a permute
+    return rotated.shrink(((0, 1), (0, length), (0, heads), (0, head_dim))).permute(0, 2, 1, 3)
 
   def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(q (S, 1, heads, hd) rotated, the stored K and V projection (S, 1, 2 * kv_heads, hd), cos and sin (S, 1, 1,
@@ -390,7 +316,9 @@ class LlamaBlock:
       product = (product * scale).contiguous()
     elif not one_token:
       product = product * self._inverse_rms(x)
-    gate, up = product.chunk(2, dim=-1)
+    # the gate and up halves (two shrinks: chunk's generic steps cost more)
+    half, whole = product.shape[-1] // 2, tuple((0, size) for size in product.shape[:-1])
+    gate, up = product.shrink((*whole, (0, half))), product.shrink((*whole, (half, 2 * half)))
     hidden = gate.silu() * up
     # several rows: the SwiGLU product in a buffer of its own. Fused into the down projection's loads it was
     # recomputed (exp2, rsqrt) for every output column tile: 66% of the H100 prefill (707 us of a ~50 us matmul)
@@ -403,27 +331,29 @@ class LlamaBlock:
     if x.shape[1] > 1 or x.shape[0] > 1 or not self.recompute_rows: hidden = hidden.contiguous()
     return x + self._linear(hidden, self.w_down, blocked=one_token)
 
-  def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor, visible: Tensor,
+  def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor | int, visible: Tensor,
                sequence: Tensor) -> Tensor:
-    """x (1, B, dim) of a prompt padded to B tokens; cos/sin from `rope_inputs`, broadcast to the projection's (1, B,
-    heads + 2 kv, hd); `visible` (B, A) bool: which of the first A cache slots each row attends to; `sequence` (1,)
-    int32: the cache row of this prompt (`write` marks slots of that row only). Grouped-query attention
-    (`enable_gqa`): without a gradient to record, scaled_dot_product_attention folds the query heads that share a KV
-    head into the rows of one matmul per KV head, (kv, group * B, hd) @ (kv, hd, A), keys read once, and builds its
-    graph on lazy buffers (tensor_attention.py)."""
+    """x (1, B, dim) of a prompt padded to B tokens; cos/sin from `rope_inputs`, broadcast to the projection's pairs
+    (1, B, heads + 2 kv, hd / 2, 2); `visible` (1, heads, B, A) bool: which of the first A cache slots each row
+    attends to; `sequence` (1,) int32: the cache row of this prompt (`write` marks slots of that row only). `placement`:
+    `_project_prefill`'s. Grouped-query attention (`enable_gqa`): without a gradient to record,
+    scaled_dot_product_attention folds the query heads that share a KV head into the rows of one matmul per KV head,
+    (1, kv, group * B, hd) @ (1, kv, hd, A), keys read once, and builds its graph on lazy buffers
+    (tensor_attention.py)."""
     config = self.config
     batch, length, _ = x.shape
     kv_heads = config.n_kv_heads
     attended_slots = visible.shape[-1]
-    q = self._project_prefill(x, cos, sin, write, placement)  # (B, heads, hd)
+    q = self._project_prefill(x, cos, sin, write, placement)  # (1, heads, B, hd)
     # read after the write (one kernel writes the cache, none copies it); several sequences: the prompt's row, an
     # indexed read of a host-made index, so one capture serves every row
     cache = self.cache if self.cache.shape[0] == 1 else self.cache[sequence]
-    keys, values = cache[0, :attended_slots, :kv_heads], cache[0, :attended_slots, kv_heads:]  # (A, kv, hd) each
-    keys, values = keys.permute(1, 0, 2), values.permute(1, 0, 2)
-    attended = q.permute(1, 0, 2).scaled_dot_product_attention(
-      keys, values, attn_mask=visible, enable_gqa=True)  # (heads, B, hd)
-    return self._feed_forward(x, attended.permute(1, 0, 2).reshape(batch, length, config.dim))
+    # the K and V heads of the first A slots, heads first (1, kv, A, hd) each: plain views of the cache
+    heads_first = cache.permute(0, 2, 1, 3)
+    keys = heads_first.shrink(((0, 1), (0, kv_heads), (0, attended_slots), (0, config.head_dim)))
+    values = heads_first.shrink(((0, 1), (kv_heads, 2 * kv_heads), (0, attended_slots), (0, config.head_dim)))
+    attended = q.scaled_dot_product_attention(keys, values, attn_mask=visible, enable_gqa=True)  # (1, heads, B, hd)
+    return self._feed_forward(x, attended.permute(0, 2, 1, 3).reshape(batch, length, config.dim))
 
   def decode(self, x: Tensor, cos: Tensor, sin: Tensor, write: Tensor, visible: int | Node,
              mask: Tensor | None, used: Node | None = None) -> Tensor:
@@ -564,6 +494,22 @@ class Llama:
             "last": np.array([length - 1], np.int32), "sequence": np.array([sequence], np.int32)}
     return {name: Tensor(value, device=self.device) for name, value in host.items()}
 
+  def _eager_inputs(self, start: int, length: int, sequence: int) -> dict[str, Tensor | int]:
+    """`_position_inputs` of an eager call as views of what the model holds, nothing made on the host or uploaded:
+    its graph is built for this prompt's shape anyway, so the start may be a constant of its kernels. cos and sin are
+    rows of the decode steps' rope tables (`rope_inputs` of every position: the same values), the write marks a True
+    constant padded to the prompt's slots of cache row `sequence`, the positions, the last row's index and the cache
+    row's views of the slot numbers (the last row and the cache row read by indexed reads, as a jitted call reads
+    them: views there change the kernels' fusion, and the bits: the final norm fused with the last block's sums); the
+    placement is the start, an int."""
+    end = start + length
+    cos, sin = (table.shrink(((start, end), (0, table.shape[1]))) for table in (self.rope_cos, self.rope_sin))
+    marks = Tensor.ones(1, length, 1, 1, dtype=dtypes.bool, device=self.device)
+    write = marks.pad(((sequence, self.sequences - sequence - 1), (start, self.max_context - end), (0, 0), (0, 0)))
+    def slots(first: int, stop: int) -> Tensor: return self.slots.shrink(((first, stop),))
+    return {"cos": cos, "sin": sin, "write": write, "placement": start, "positions": slots(start, end),
+            "last": slots(length - 1, length), "sequence": slots(sequence, sequence + 1)}
+
   def __call__(self, tokens: Tensor | np.ndarray | list[list[int]], start: int, jit: bool = False,
                sequence: int = 0) -> Tensor:
     """The logits (1, vocab) of the last of `tokens` (1, L) fed at positions [start, start + L), K and V cached (in
@@ -585,13 +531,14 @@ class Llama:
       raise ValueError(f"positions {start}..{start + length - 1} exceed the context of {self.max_context} tokens")
     padded, attended = self.prefill_shape(start, length) if jit else (length, start + length)
     tokens_t = Tensor(np.pad(ids, ((0, 0), (0, padded - length))), device=self.device)
-    inputs = self._position_inputs(start, length, padded, sequence)
     if not jit:
-      logits = self._prefill_graph(tokens_t, **inputs, attended=attended, realize_every=PREFILL_REALIZE_EVERY)
+      logits = self._prefill_graph(tokens_t, **self._eager_inputs(start, length, sequence), attended=attended,
+                                   realize_every=PREFILL_REALIZE_EVERY)
       Tensor.realize_all(logits, *(block.cache for block in self.blocks))
       return logits
     # the first call (eager) and the capture realize the residual every PREFILL_REALIZE_EVERY blocks as an eager call
     # does: the blocks after the first replay its cached schedule (a first prompt: ~1 s less CPU on the 2-core CPU)
+    inputs = self._position_inputs(start, length, padded, sequence)
     return self._prefill_jits((padded, attended), tokens_t, *inputs.values(), attended,  # positional: the fast path
                               PREFILL_REALIZE_EVERY)
 
@@ -599,7 +546,7 @@ class Llama:
     """The TinyJit that `model(tokens, start, jit=True)` runs for a prompt of `length` tokens at `start` (profiling)."""
     return self._prefill_jits.jits[self.prefill_shape(start, length)]
 
-  def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor,
+  def _prefill_graph(self, tokens: Tensor, cos: Tensor, sin: Tensor, write: Tensor, placement: Tensor | int,
                      positions: Tensor, last: Tensor, sequence: Tensor, attended: int,
                      realize_every: int = 0) -> Tensor:
     """The logits (1, vocab) of row `last` of the (1, B) `tokens` at `positions` (B,), attending to the first
@@ -618,12 +565,14 @@ class Llama:
   def _block_inputs(self, cos: Tensor, sin: Tensor, write: Tensor, positions: Tensor,
                     attended: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A prefill's inputs of every block (`LlamaBlock.__call__`): the rope tables and the write marks broadcast once
-    to the shapes the blocks read them in (the projection's heads, the cache's K and V heads: the views each block's
-    ops would make, without an Expand and a reshape per table in every block), and the visible slots."""
-    visible = self.slots[:attended].reshape(1, attended) <= positions.reshape(-1, 1)
+    to the shapes the blocks read them in (the projection's heads' pairs, the cache's K and V heads: the views each
+    block's ops would make, without an Expand and a reshape per table in every block), and the visible slots,
+    broadcast to the attention's scores per query head (1, heads, B, A)."""
+    visible = self.slots.shrink(((0, attended),)).reshape(1, attended) <= positions.reshape(-1, 1)
+    visible = visible.reshape(1, 1, *visible.shape).expand(1, self.config.n_heads, *visible.shape)
     heads, head_dim = self.config.n_heads + 2 * self.config.n_kv_heads, self.config.head_dim
-    cos, sin = (table.reshape(1, table.shape[0], 1, head_dim).expand(1, table.shape[0], heads, head_dim)
-                for table in (cos, sin))
+    pairs = (cos.shape[0], heads, head_dim // 2, 2)   # (the projection's heads in RoPE's pairs: _project_prefill)
+    cos, sin = (table.reshape(1, table.shape[0], 1, head_dim // 2, 2).expand(1, *pairs) for table in (cos, sin))
     return cos, sin, write.expand(*write.shape[:2], 2 * self.config.n_kv_heads, head_dim), visible
 
   def _step_graph(self, step: Tensor, position: Variable | None) -> Tensor:

@@ -394,8 +394,7 @@ class RMSNorm(Module):
       raise ShapeError(f"RMSNorm{self.normalized_shape} expects input ending in {self.normalized_shape}, "
                        f"got {x.shape}")
     eps = self.eps if self.eps is not None else _machine_epsilon(x.dtype)
-    axes = tuple(range(x.ndim - dims, x.ndim))
-    y = x * (x.square().mean(axes, keepdim=True) + eps).rsqrt()
+    y = x * x.inverse_rms(tuple(range(x.ndim - dims, x.ndim)), eps)
     return y * self.weight if self.weight is not None else y
 
 
