@@ -2,13 +2,14 @@
 
 Everything is composed from Tensor operations (movement ops, elementwise math and reduces), so the results stay
 lazy, fuse into few kernels and get their gradients from the primitives' autograd. The centre of the module is
-`_pool`, a zero-copy *pooling view* that turns the last spatial dims of a tensor into (output position, window
-offset) pairs with only reshape/expand/shrink/pad/permute: a convolution is then a broadcast multiply with the
+`pool_windows` (tensor_windows.py), a zero-copy *pooling view* that turns the last spatial dims of a tensor into
+(output position, window offset) pairs with only reshape/expand/shrink/pad/permute, planned once per geometry and
+differentiated as one node: a convolution is then a broadcast multiply with the
 weight and one sum, which the scheduler fuses into a single reduce kernel (the bias add and an activation after
 it fuse into the same kernel). One implementation serves every number of spatial dims.
 A stride-1 convolution is one autograd node (`StrideOneConv`) whose backward is two convolution-shaped reduces (the
 input gradient as a transposed convolution, the weight gradient), forward and backward built on lazy buffers by the
-same helpers (`_conv_sum`, `_product_sum`); other strides differentiate through the view.
+same helpers (`_conv_sum`, `_product_sum`); other strides differentiate through the view (`MovedView`).
 
 Semantics follow torch.nn.functional: channels-first layout (N, C, *spatial), weights (C_out, C_in / groups, *k)
 for convolutions and (C_in, C_out / groups, *k) for transposed ones, int-or-tuple arguments, floor
@@ -27,10 +28,11 @@ from ourgrad.device import Device
 from ourgrad.dtype import dtypes, operands_dtype
 from ourgrad.errors import ShapeError
 from ourgrad.function import Function, MaxToOne, _mul
-from ourgrad.helpers import normalize_axis, register_cache_clearer
+from ourgrad.helpers import normalize_axis
 from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import CastPolicy, autocast_op
 from ourgrad.ops import SUM
+from ourgrad.tensor_windows import pool_windows, window_ranks
 
 
 if TYPE_CHECKING:
@@ -51,58 +53,6 @@ def _tuple(value: IntOrTuple, count: int, name: str) -> tuple[int, ...]:
 
 def _positive(values: tuple[int, ...], name: str) -> None:
   if any(v <= 0 for v in values): raise ValueError(f"{name} must be positive, got {values}")
-
-
-def _pool(x: Tensor | LazyBuffer, kernel: tuple[int, ...], stride: tuple[int, ...],
-          dilation: tuple[int, ...]) -> Tensor | LazyBuffer:
-  """Windows of the last len(kernel) dims of x, as a view: (..., i1, i2) -> (..., o1, o2, k1, k2) with
-  result[..., a, b, p, q] = x[..., a*s1 + p*d1, b*s2 + q*d2] and o = floor((i - d*(k-1) - 1) / s) + 1.
-
-  Nothing is copied: the window is built from movement ops only, so a consumer (a conv's multiply-and-sum, a
-  pool's max) reads x directly through the composed index expression. The caller pads x beforehand.
-  x is a Tensor (a max pool, differentiable) or a lazy buffer (a stride-1 conv's forward, whose Function needs no
-  autograd of the view): only movement ops with explicit tuple arguments, which both take."""
-  spatial = len(kernel)
-  batch, sizes = x.shape[:-spatial], x.shape[-spatial:]
-  for k, d, i in zip(kernel, dilation, sizes):
-    if d * (k - 1) + 1 > i:
-      raise ShapeError(f"kernel {kernel} with dilation {dilation} is larger than the (padded) input {sizes} "
-                       f"of shape {x.shape}")
-  outs = tuple((i - d * (k - 1) - 1) // s + 1 for i, k, s, d in zip(sizes, kernel, stride, dilation))
-  keep = tuple((0, size) for size in batch)
-
-  if all(k <= s for k, s in zip(kernel, stride)) and all(d == 1 for d in dilation):
-    # Windows do not overlap: pad/crop each dim to o*s, split it into (o, s) and keep the first k of each s.
-    x = x.pad(((0, 0),) * len(batch) + tuple((0, o * s - i) for i, o, s in zip(sizes, outs, stride)))
-    x = x.reshape(batch + tuple(size for o, s in zip(outs, stride) for size in (o, s)))
-    x = x.shrink(keep + tuple(bound for o, k in zip(outs, kernel) for bound in ((0, o), (0, k))))
-    order = (*range(len(batch)), *(len(batch) + 2 * a for a in range(spatial)),
-             *(len(batch) + 2 * a + 1 for a in range(spatial)))
-    return x.permute(order)
-
-  # Windows overlap (k > s) or are dilated. Along one dim of size i, tile x (expand a new axis, merge it) so
-  # y[j] = x[j mod i], and reshape a prefix of y into rows of length L = i*f + d: row p, column c holds
-  # x[(p*L + c) mod i] = x[(p*d + c) mod i], i.e. each row starts d elements (one dilation step) after the previous
-  # one. Column c = a*s is then output position a, and for valid (a, p) the index a*s + p*d < i, so the mod never
-  # wraps. f is the smallest whole number of tiles that makes a row long enough to hold the o*s columns we split
-  # off. The index math of the composed view folds back to plain a*s + p*d (no div/mod in the kernel).
-  rows = [i * max(0, math.ceil((o * s - d) / i)) + d for i, o, s, d in zip(sizes, outs, stride, dilation)]
-  tiles = [math.ceil(k * row / i) for k, row, i in zip(kernel, rows, sizes)]
-  x = x.reshape(batch + tuple(size for i in sizes for size in (1, i)))
-  x = x.expand(batch + tuple(size for r, i in zip(tiles, sizes) for size in (r, i)))
-  x = x.reshape(batch + tuple(r * i for r, i in zip(tiles, sizes)))
-  # rows of length L, one per kernel offset p: (k, L)
-  x = x.shrink(keep + tuple((0, k * row) for k, row in zip(kernel, rows)))
-  x = x.reshape(batch + tuple(size for k, row in zip(kernel, rows) for size in (k, row)))
-  # the first o*s columns, split into (o, s); column 0 of each stride step is output position a: (k, o, s)
-  x = x.shrink(keep + tuple(bound for k, o, s in zip(kernel, outs, stride) for bound in ((0, k), (0, o * s))))
-  x = x.reshape(batch + tuple(size for k, o, s in zip(kernel, outs, stride) for size in (k, o, s)))
-  x = x.shrink(keep + tuple(bound for k, o in zip(kernel, outs) for bound in ((0, k), (0, o), (0, 1))))
-  x = x.reshape(batch + tuple(size for k, o in zip(kernel, outs) for size in (k, o)))
-  # (..., k1, o1, k2, o2) -> (..., o1, o2, k1, k2): output positions first, window offsets last
-  order = (*range(len(batch)), *(len(batch) + 2 * a + 1 for a in range(spatial)),
-           *(len(batch) + 2 * a for a in range(spatial)))
-  return x.permute(order)
 
 
 def _pooled_size(size: int, kernel: int, stride: int, pad: int, dilation: int, ceil_mode: bool) -> int:
@@ -134,73 +84,11 @@ def unfold_patches(x: Tensor, kernel_size: IntOrTuple, dilation: IntOrTuple = 1,
   _positive(dilations, "unfold dilation")
   if any(p < 0 for p in pads): raise ValueError(f"unfold padding must be >= 0, got {pads}")
   padded = x.pad([None] * (x.ndim - 2) + [(p, p) for p in pads])
-  windows = _pool(padded, kernel, strides, dilations)  # (..., C, oH, oW, kH, kW)
+  windows = pool_windows(padded, kernel, strides, dilations)  # (..., C, oH, oW, kH, kW)
   lead = x.ndim - 3
   channels, (out_h, out_w) = x.shape[-3], windows.shape[-4:-2]
   columns = windows.permute(*range(lead + 1), lead + 3, lead + 4, lead + 1, lead + 2)
   return columns.reshape(*x.shape[:-3], channels * kernel[0] * kernel[1], out_h * out_w)
-
-
-# (device, the input's batch dims and spatial shape, the windows' shape, the pooling arguments) -> the ranks
-# `_build_window_ranks` made for them, a lazy graph of constants only (nothing loaded): every max pooling of every
-# training step rebuilt the same twenty-odd constant ops (a tenth of the MNIST CNN step's graph building)
-_WINDOW_RANKS: dict[tuple, LazyBuffer] = {}
-_WINDOW_RANKS_MAX = 64
-register_cache_clearer(_WINDOW_RANKS.clear)
-
-
-def _window_ranks(x: Tensor, windows_shape: tuple[int, ...], pads: tuple[int, ...], kernel: tuple[int, ...],
-                  stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
-  """`_build_window_ranks`, remembered per device and geometry while the graph it made stays lazy."""
-  batch = x.ndim - len(kernel)
-  key = (x.device, batch, x.shape[batch:], windows_shape, pads, kernel, stride, dilation)
-  try:
-    cached = _WINDOW_RANKS.get(key)
-  except TypeError:   # an unhashable argument (a list): not remembered
-    return _build_window_ranks(x, windows_shape, pads, kernel, stride, dilation)
-  # a value is never stale (constants), but a schedule may have realized a base of it: that buffer's memory may have
-  # been planned for reuse within its schedule, so only a graph with no realized base is read again
-  if cached is not None and _never_realized(cached): return type(x)(cached)
-  ranks = _build_window_ranks(x, windows_shape, pads, kernel, stride, dilation)
-  if type(ranks.lazydata) is LazyBuffer and _never_realized(ranks.lazydata):
-    if len(_WINDOW_RANKS) >= _WINDOW_RANKS_MAX: _WINDOW_RANKS.pop(next(iter(_WINDOW_RANKS)))  # oldest first
-    _WINDOW_RANKS[key] = ranks.lazydata
-  return ranks
-
-
-def _never_realized(lazy: LazyBuffer) -> bool:
-  """Whether no base of the graph behind `lazy` has a buffer (the graph is still only a description)."""
-  stack, seen = [lazy.base], set()
-  while stack:
-    base = stack.pop()
-    if base.realized is not None or base.forced_realize: return False
-    for src in base.srcs:
-      if id(src.base) not in seen:
-        seen.add(id(src.base))
-        stack.append(src.base)
-  return True
-
-
-def _build_window_ranks(x: Tensor, windows_shape: tuple[int, ...], pads: tuple[int, ...], kernel: tuple[int, ...],
-                        stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
-  """For the pooling windows (`windows_shape`, `_pool`'s layout) of `x` padded by `pads`, a rank of each window
-  element: K down to 1 in the window's row-major order (K elements), 0 where the element is padding. Built from
-  constants padded into place and expanded before any arithmetic, so kernels compute it from their indices: nothing
-  is loaded or realized. float32 (exact: K < 2**24), as the values beside it: an int32 key made CLANG's reduce of it
-  several times slower."""
-  Tensor = type(x)  # noqa: N806 (the concrete class; this module never imports it)
-  spatial, batch = len(kernel), x.ndim - len(kernel)
-  leading = (1,) * (len(windows_shape) - spatial)
-  rank = Tensor.full(windows_shape, 1, dtypes.float32, device=x.device)
-  for axis, size in enumerate(kernel):
-    weight = math.prod(kernel[axis + 1:])   # offset i along `axis` counts (size - 1 - i) * weight
-    for i in range(size - 1):
-      one_hot = Tensor.full((1,) * spatial, (size - 1 - i) * weight, dtypes.float32, device=x.device)
-      one_hot = one_hot.pad([(i, size - 1 - i) if a == axis else (0, 0) for a in range(spatial)])
-      rank = rank + one_hot.reshape(leading + one_hot.shape).expand(windows_shape)
-  inside = Tensor.full(x.shape[batch:], True, dtypes.bool, device=x.device).pad([(p, p) for p in pads])
-  inside = _pool(inside.reshape((1,) * batch + inside.shape), kernel, stride, dilation).expand(windows_shape)
-  return inside.where(rank, 0)
 
 
 def _check_rank(x: Tensor, name: str, ranks: tuple[int, ...]) -> None:
@@ -271,14 +159,9 @@ def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, strides: tuple[int, ..
 
 def _conv_windows(x: Tensor | LazyBuffer, kernel: tuple[int, ...], strides: tuple[int, ...],
                   pads: Sequence[tuple[int, int]], dilations: tuple[int, ...]) -> Tensor | LazyBuffer:
-  """The pooling view (N, C, *out, *kernel) of x (a Tensor or a lazy buffer, as `_pool`) padded by `pads`: what a
-  convolution multiplies by its weight."""
-  # a negative pad crops: a shrink first, then the padding (a lazy buffer's pad takes no negative sides)
-  sizes = x.shape[2:]
-  x = x.shrink(((0, x.shape[0]), (0, x.shape[1]), *((max(0, -before), size - max(0, -after))
-                                                    for (before, after), size in zip(pads, sizes))))
-  x = x.pad(((0, 0), (0, 0), *((max(0, before), max(0, after)) for before, after in pads)))
-  return _pool(x, kernel, strides, dilations)
+  """The pooling view (N, C, *out, *kernel) of x (a Tensor or a lazy buffer, as `pool_windows`) padded by `pads` (a
+  negative amount crops): what a convolution multiplies by its weight."""
+  return pool_windows(x, kernel, strides, dilations, tuple(tuple(pair) for pair in pads))
 
 
 def _conv_sum(x: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, strides: tuple[int, ...],
@@ -286,7 +169,7 @@ def _conv_sum(x: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, strides: tupl
               windows: Tensor | LazyBuffer | None = None) -> Tensor | LazyBuffer:
   """The convolution as one multiply-and-sum over a pooling view of the padded x (no bias); `windows`: that view,
   made already (`_conv_windows`). Tensors (differentiated through the view) or lazy buffers (StrideOneConv's
-  backward), as `_pool`."""
+  backward), as `pool_windows`."""
   batch, dims = x.shape[0], len(weight.shape) - 2
   out_channels, group_channels, kernel = weight.shape[0], weight.shape[1], tuple(weight.shape[2:])
   if windows is None: windows = _conv_windows(x, kernel, strides, pads, dilations)   # a view of x
@@ -579,18 +462,18 @@ class ConvMixin:
                 padding: IntOrTuple) -> Tensor:
     kernel, strides, pads, _ = self._pool_args(f"avg_pool{dims}d", dims, kernel_size, stride, padding, 1)
     padded = self.pad([None] * (self.ndim - dims) + [(p, p) for p in pads])
-    return _pool(padded, kernel, strides, (1,) * dims).mean(tuple(range(-dims, 0)))
+    return pool_windows(padded, kernel, strides, (1,) * dims).mean(tuple(range(-dims, 0)))
 
   def _max_pool(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None, padding: IntOrTuple,
                 dilation: IntOrTuple) -> Tensor:
     kernel, strides, pads, dilations = self._pool_args(f"max_pool{dims}d", dims, kernel_size, stride, padding,
                                                        dilation)
     padded = self.pad([None] * (self.ndim - dims) + [(p, p) for p in pads], value=self.dtype.min)
-    windows = _pool(padded, kernel, strides, dilations)
+    windows = pool_windows(padded, kernel, strides, dilations)
     axes = tuple(range(windows.ndim - dims, windows.ndim))
     if not self.requires_grad or type(self).no_grad: return windows.max(axes)
     # the gradient goes to one maximum per window, as in PyTorch: ranks order the window's elements
-    ranks = _window_ranks(self, windows.shape, pads, kernel, strides, dilations)
+    ranks = window_ranks(self, windows.shape, pads, kernel, strides, dilations)
     return MaxToOne.apply(windows, ranks, axes=axes).reshape(windows.shape[:-dims])
 
   def _avg_pool_options(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
@@ -611,10 +494,10 @@ class ConvMixin:
     lead = [None] * (self.ndim - dims)
     padded = self.pad(lead + [(p, p + e) for p, e in zip(pads, extra)])
     window_axes = tuple(range(-dims, 0))
-    total = _pool(padded, kernel, strides, dilations).sum(window_axes)
+    total = pool_windows(padded, kernel, strides, dilations).sum(window_axes)
     if divisor_override is not None: return total / divisor_override
     counted = Tensor.ones(*sizes, device=self.device).pad([(p, p) for p in pads], value=float(count_include_pad))
-    counts = _pool(counted.pad([(0, e) for e in extra]), kernel, strides, dilations).sum(window_axes)
+    counts = pool_windows(counted.pad([(0, e) for e in extra]), kernel, strides, dilations).sum(window_axes)
     return total / counts
 
   def _max_pool_options(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
@@ -630,13 +513,14 @@ class ConvMixin:
     outs = [_pooled_size(i, k, s, p, d, ceil_mode) for i, k, s, p, d in zip(sizes, kernel, strides, pads, dilations)]
     extra = _ceil_extra(sizes, outs, kernel, strides, pads, dilations)
     sides = [(p, p + e) for p, e in zip(pads, extra)]
-    windows = _pool(self.pad([None] * (self.ndim - dims) + sides, value=self.dtype.min), kernel, strides, dilations)
+    padded = self.pad([None] * (self.ndim - dims) + sides, value=self.dtype.min)
+    windows = pool_windows(padded, kernel, strides, dilations)
     values = windows.max(tuple(range(-dims, 0)))
     if not return_indices: return values
     plane = math.prod(sizes)
     # each place's flat position in its plane, the padding past every real one so that it never wins a tie
     positions = Tensor.arange(plane, device=self.device).reshape(*sizes).pad(sides, value=plane)
-    position_windows = _pool(positions, kernel, strides, dilations).flatten(-dims)
+    position_windows = pool_windows(positions, kernel, strides, dilations).flatten(-dims)
     is_max = windows.detach().flatten(-dims) == values.detach().unsqueeze(-1)
     indices = is_max.where(position_windows, plane).min(-1)
     return values, indices.cast(dtypes.int64)
@@ -755,5 +639,5 @@ class ConvMixin:
     if step <= 0: raise ValueError(f"unfold step must be positive, got {step}")
     if not 0 < size <= self.shape[axis]:
       raise ShapeError(f"unfold size {size} must be in [1, {self.shape[axis]}] (dim {axis} of shape {self.shape})")
-    windows = _pool(self.movedim(axis, -1), (size,), (step,), (1,))  # (..., count, size)
+    windows = pool_windows(self.movedim(axis, -1), (size,), (step,), (1,))  # (..., count, size)
     return windows.movedim(-2, axis)

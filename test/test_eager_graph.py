@@ -1,5 +1,5 @@
 """Graph building remembered across eager steps gives what building it afresh gives (PyTorch on the CPU as the
-reference): max pooling's window ranks (a lazy graph of constants, tensor_conv._window_ranks) are built once per
+reference): max pooling's window ranks (a lazy graph of constants, tensor_windows.window_ranks) are built once per
 device and geometry, read again by later steps, and never read once a schedule realized a base of them."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as TF
 
 from ourgrad import Tensor
-from ourgrad import tensor_conv
+from ourgrad import tensor_windows
 from ourgrad.errors import AutogradError
 from ourgrad.helpers import clear_caches
 from ourgrad.lazy import LazyBuffer
@@ -30,7 +30,7 @@ def _torch_pool_step(values: np.ndarray, upstream: np.ndarray) -> tuple[np.ndarr
   return out.detach().numpy(), x.grad.numpy()
 
 
-def _cached_ranks() -> list[LazyBuffer]: return list(tensor_conv._WINDOW_RANKS.values())
+def _cached_ranks() -> list[LazyBuffer]: return [ranks for ranks, _ in tensor_windows._WINDOW_RANKS.values()]
 
 
 def test_max_pool_ranks_are_remembered_and_stay_right_across_steps():
