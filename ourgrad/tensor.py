@@ -9,7 +9,8 @@ This module holds the Tensor class itself: construction from data, properties, c
 cast, ...), realize and autograd (backward, detach, no_grad). The rest of
 Tensor's methods come from mixins, one module per job:
   ourgrad/tensor_creation.py  CreationMixin     zeros, full, arange, eye, *_like, new_*, rand, randn, manual_seed
-  ourgrad/tensor_movement.py  MovementMixin     views (reshape, permute, pad, ...), indexing, cat/stack/split
+  ourgrad/tensor_movement.py  MovementMixin     views (reshape, permute, pad, ...), cat/stack/split
+  ourgrad/tensor_indexing.py  IndexingMixin     t[index], t[index] = value, row reads and indexed adds
   ourgrad/tensor_scatter.py   ScatterMixin      gather, scatter, scatter_add, scatter_reduce, index_add
   ourgrad/tensor_math.py      ElementwiseMixin  broadcasting, operators, unary math, rounding
   ourgrad/tensor_activation.py ActivationMixin  relu, sigmoid, tanh, silu, gelu, elu, softplus, erf, ...
@@ -32,6 +33,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ourgrad import function as F
+from ourgrad import function_movement as FM
 from ourgrad.device import Buffer, BufferView, Device
 from ourgrad.dtype import DType, bfloat16_bits_to_float32, dtypes, float32_to_bfloat16_bits
 from ourgrad.engine.exec_item import jit_recording
@@ -50,6 +52,7 @@ from ourgrad.tensor_activation import ActivationMixin
 from ourgrad.tensor_aliases import AliasMixin
 from ourgrad.tensor_creation import CreationMixin, canonical_devices
 from ourgrad.tensor_math import ElementwiseMixin
+from ourgrad.tensor_indexing import IndexingMixin
 from ourgrad.tensor_movement import MovementMixin
 from ourgrad.tensor_nn import NNMixin
 from ourgrad.tensor_reduce import ReduceMixin
@@ -87,8 +90,8 @@ def _to_lazy(data: Any, dtype: DType | None, device: str) -> LazyBuffer:
                   f"array or a Tensor")
 
 
-class Tensor(CreationMixin, MovementMixin, ScatterMixin, ElementwiseMixin, ActivationMixin, ReduceMixin, SortMixin,
-             SpecialMixin, AliasMixin, NNMixin):
+class Tensor(CreationMixin, MovementMixin, IndexingMixin, ScatterMixin, ElementwiseMixin, ActivationMixin, ReduceMixin,
+             SortMixin, SpecialMixin, AliasMixin, NNMixin):
   """A multi-dimensional array on a device, computed lazily, with automatic differentiation.
 
   `Tensor(data, device=None, dtype=None, requires_grad=None)` takes a number, a nested list, a numpy array,
@@ -662,14 +665,14 @@ def _accumulate(total: Lazy, grad: Lazy) -> Lazy:
 
 # Storage -> the tensors made views of a rebased tensor (`_rebase_viewed_tensor`), rebuilt at each later write
 _REBASED_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_VIEW_FUNCTIONS = (F.Reshape, F.Permute, F.Shrink, F.Flip, F.Pad, F.Expand, F.ViewOf)
+_VIEW_FUNCTIONS = (FM.Reshape, FM.Permute, FM.Shrink, FM.Flip, FM.Pad, FM.Expand, FM.ViewOf)
 
 
 def _rebase_viewed_tensor(view: Tensor, viewed_from: F.Function | None, target: LazyBuffer) -> None:
   """After a differentiable write through `view` (`v = h[0:2]; v += x`), the tensors it was viewed from take the
   write into their gradient paths, as PyTorch does: the movement Functions that made `view` (`viewed_from` first)
-  lead back through them to the one that is the whole of the written memory (F.WriteThroughView); the others become
-  views of that one (F.ViewOf). Tensors written since, or made another way, are left as they are."""
+  lead back through them to the one that is the whole of the written memory (FM.WriteThroughView); the others become
+  views of that one (FM.ViewOf). Tensors written since, or made another way, are left as they are."""
   ctx, chain, root = viewed_from, [], None   # chain: the tensors `view` was made from, nearest first
   while isinstance(ctx, _VIEW_FUNCTIONS):
     parent, parent_ctx = ctx.parents[0], ctx.parent_ctxs[0]
@@ -681,7 +684,7 @@ def _rebase_viewed_tensor(view: Tensor, viewed_from: F.Function | None, target: 
     if lazy.reads_whole_base: root = parent
     ctx = parent_ctx
   if root is None or (root._ctx is None and root.requires_grad): return   # a parameter: the write is data only
-  rebased = F.WriteThroughView.apply(root, view, st=target.st)
+  rebased = FM.WriteThroughView.apply(root, view, st=target.st)
   root._ctx, root.requires_grad = rebased._ctx, True
   # the views in between, `view` itself, and the views an earlier write made so, are views of the root's new value
   # from now on (a later write through any of them finds the root again)
@@ -689,11 +692,11 @@ def _rebase_viewed_tensor(view: Tensor, viewed_from: F.Function | None, target: 
   # by id, with weak references (a Tensor's == is elementwise, so it cannot be a set member)
   views: dict[int, weakref.ref[Tensor]] = _REBASED_VIEWS.setdefault(storage, {}) if storage is not None else {}
   known = [tensor for ref in list(views.values()) if (tensor := ref()) is not None and
-           isinstance(tensor._ctx, F.ViewOf) and tensor._ctx.parents[0] is root]
+           isinstance(tensor._ctx, FM.ViewOf) and tensor._ctx.parents[0] is root]
   between = chain[:next(index for index, tensor in enumerate(chain) if tensor is root)]
   for tensor in [view, *reversed(between), *known]:
     try:
-      tensor._ctx, tensor.requires_grad = F.ViewOf.apply(root, st=tensor.lazydata.st)._ctx, True
+      tensor._ctx, tensor.requires_grad = FM.ViewOf.apply(root, st=tensor.lazydata.st)._ctx, True
       views[id(tensor)] = weakref.ref(tensor, lambda _, key=id(tensor): views.pop(key, None))
     except ShapeError:   # a view that is no lattice of the memory (expanded): its gradient path stays as it was
       continue

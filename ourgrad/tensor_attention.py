@@ -38,7 +38,8 @@ from ourgrad.codegen.attention_grad import single_pass_backward
 from ourgrad.device import Device
 from ourgrad.dtype import DType, dtypes
 from ourgrad import function as F
-from ourgrad.function import Function, Matmul, Permute, Reshape, Shrink, _tensor_class
+from ourgrad.function import Function, Matmul, _tensor_class
+from ourgrad.function_movement import Permute, Reshape, Shrink
 from ourgrad.helpers import DEBUG, FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD, FUSED_ATTENTION_PACKED, tf32_allowed
 from ourgrad.lazy import LazyBuffer
 from ourgrad.lazy_views import place_through_view, tiles_one_base

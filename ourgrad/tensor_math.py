@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ourgrad import function as F
+from ourgrad import function_movement as FM
 from ourgrad.dtype import DType, dtypes, least_upper_dtype, operands_dtype, result_dtype
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.lazy import LazyBuffer
@@ -193,7 +194,7 @@ class ElementwiseMixin:
     (a Reshape where only leading dims are added, else an Expand), without expand's checks of the shape."""
     if self.shape == shape: return self
     padded = (1,) * (len(shape) - len(self.shape)) + self.shape
-    return F.Reshape.apply(self, shape=padded) if padded == shape else F.Expand.apply(self, shape=shape)
+    return FM.Reshape.apply(self, shape=padded) if padded == shape else FM.Expand.apply(self, shape=shape)
 
   def _float_operand(self) -> Tensor:
     """Float math on ints and bools promotes to the default float, as in PyTorch."""

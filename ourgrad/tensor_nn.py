@@ -25,6 +25,7 @@ from numbers import Integral
 from typing import TYPE_CHECKING, Sequence
 
 from ourgrad import function as F
+from ourgrad import function_movement as FM
 from ourgrad.dtype import dtypes, least_upper_dtype
 from ourgrad.errors import DTypeError, ShapeError
 from ourgrad.helpers import prod
@@ -129,7 +130,7 @@ def _logits_nll(scores: Tensor, target: Tensor, reduction: str, ignore_index: in
 def _picked_logits(logits: Tensor, target: Tensor, one_hot: Tensor) -> Tensor:
   """logits[r, target[r]] of (R, C) logits (0 where the target is outside [0, C): an ignored sample), one indexed
   load a row instead of a one-hot sum over the row (a second pass over a vocabulary-wide row); the gradient is
-  where(one_hot, grad, 0), which fuses into the logits' other gradient terms (F.PickPerRow)."""
+  where(one_hot, grad, 0), which fuses into the logits' other gradient terms (FM.PickPerRow)."""
   Tensor = type(logits)  # noqa: N806 (the concrete class; mixins never import it)
   rows, classes = logits.shape
   targets = _wide_targets(target)   # (integers: no gradient, so lazy buffers, as _one_hot)
@@ -141,7 +142,7 @@ def _picked_logits(logits: Tensor, target: Tensor, one_hot: Tensor) -> Tensor:
   row_starts = Tensor.arange(rows, device=logits.device, dtype=dtypes.int32).lazydata
   flat = F._mul(row_starts, row_starts.operand_like(classes)).elementwise(ADD, column)
   flat_index = F._where(in_range, flat, flat.operand_like(-1))
-  return F.PickPerRow.apply(logits, Tensor(flat_index), one_hot.detach())
+  return FM.PickPerRow.apply(logits, Tensor(flat_index), one_hot.detach())
 
 
 def _check_class_weight(weight: Tensor, classes: int, what: str) -> None:
