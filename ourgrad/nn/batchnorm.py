@@ -97,7 +97,8 @@ def stored_statistics(mean: Tensor, invstd: Tensor) -> tuple[Tensor, Tensor]:
   recomputed values all miss the maximum divides 0 by 0. On a GPU one kernel stores both, with the running
   variance, from the second stages of the two sums (engine/multi_output.py: sibling reduces and elementwise work on
   them)."""
-  return mean.contiguous(), invstd.contiguous()
+  # (Contiguous's graph on the lazy buffers: the statistics are detached, no Function is needed)
+  return Tensor(mean.lazydata.contiguous()), Tensor(invstd.lazydata.contiguous())
 
 
 class BatchNormNormalize(Function):
