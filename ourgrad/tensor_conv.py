@@ -20,9 +20,10 @@ Tensor class: the methods only call other Tensor methods on `self` and on their 
 """
 from __future__ import annotations
 
+import functools
 import math
 from numbers import Integral
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes, operands_dtype
@@ -38,6 +39,7 @@ from ourgrad.tensor_windows import pool_windows, window_ranks
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
 
+T = TypeVar("T")
 IntOrTuple = int | Sequence[int]
 Padding = int | Sequence[int] | Sequence[tuple[int, int]] | str
 
@@ -53,6 +55,22 @@ def _tuple(value: IntOrTuple, count: int, name: str) -> tuple[int, ...]:
 
 def _positive(values: tuple[int, ...], name: str) -> None:
   if any(v <= 0 for v in values): raise ValueError(f"{name} must be positive, got {values}")
+
+
+def _remembered(function: Callable[..., T]) -> Callable[..., T]:
+  """`function`, a pure function of shapes and arguments that plans a convolution's or a pooling's movement ops,
+  remembered per arguments (bounded): every step of a training run asks for the same few plans, and their tuple
+  arithmetic (a generator frame per tuple) cost more than the ops they plan. Arguments that do not hash (a list of
+  pads) are planned at each call."""
+  cached = functools.lru_cache(maxsize=512)(function)
+
+  @functools.wraps(function)
+  def plan(*args: Any) -> T:
+    try:
+      return cached(*args)
+    except TypeError:   # (an unhashable argument; a TypeError of the function itself is raised again here)
+      return function(*args)
+  return plan
 
 
 def _pooled_size(size: int, kernel: int, stride: int, pad: int, dilation: int, ceil_mode: bool) -> int:
@@ -141,6 +159,17 @@ def conv_padding(name: str, padding: Padding, kernel: tuple[int, ...], strides: 
                    f"side, last dim first) or {dims} (before, after) pairs")
 
 
+@_remembered
+def _conv_arguments(name: str, stride: IntOrTuple, padding: Padding, dilation: IntOrTuple,
+                    kernel: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...]]:
+  """A convolution's strides, (before, after) pads per spatial dim and dilations, checked, from its arguments."""
+  dims = len(kernel)
+  strides, dilations = _tuple(stride, dims, "stride"), _tuple(dilation, dims, "dilation")
+  _positive(strides, f"{name} stride")
+  _positive(dilations, f"{name} dilation")
+  return strides, tuple(conv_padding(name, padding, kernel, strides, dilations)), dilations
+
+
 def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, strides: tuple[int, ...], pads: list[tuple[int, int]],
           dilations: tuple[int, ...], groups: int, name: str) -> Tensor:
   """Convolution of a batched (N, C, *spatial) x with explicit (before, after) padding per spatial dim."""
@@ -170,18 +199,27 @@ def _conv_sum(x: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, strides: tupl
   """The convolution as one multiply-and-sum over a pooling view of the padded x (no bias); `windows`: that view,
   made already (`_conv_windows`). Tensors (differentiated through the view) or lazy buffers (StrideOneConv's
   backward), as `pool_windows`."""
-  batch, dims = x.shape[0], len(weight.shape) - 2
-  out_channels, group_channels, kernel = weight.shape[0], weight.shape[1], tuple(weight.shape[2:])
-  if windows is None: windows = _conv_windows(x, kernel, strides, pads, dilations)   # a view of x
-  outs = tuple(windows.shape[2:2 + dims])
-  per_group = out_channels // groups
+  if windows is None: windows = _conv_windows(x, tuple(weight.shape[2:]), strides, pads, dilations)   # a view of x
+  grouped, order, lined_up, weight_shape, axes, out_shape = _conv_sum_plan(tuple(weight.shape), tuple(windows.shape),
+                                                                           groups)
+  windows = windows.reshape(grouped).permute(order).reshape(lined_up)
+  return _product_sum(windows, weight.reshape(weight_shape), axes).reshape(out_shape)
+
+
+@_remembered
+def _conv_sum_plan(weight_shape: tuple[int, ...], windows_shape: tuple[int, ...], groups: int) -> tuple:
+  """`_conv_sum`'s shapes: the windows (N, C, *out, *kernel) regrouped, permuted and lined up with the weight
+  reshaped, the reduced axes and the output shape."""
+  batch, dims = windows_shape[0], len(weight_shape) - 2
+  out_channels, group_channels, kernel = weight_shape[0], weight_shape[1], weight_shape[2:]
+  outs = windows_shape[2:2 + dims]
   # (N, groups, 1, *out, C/groups, *kernel) * (1, groups, C_out/groups, 1..., C/groups, *kernel), summed over the
   # last 1 + dims axes: the reduce axes come last, so the product is never stored and the sum is one kernel.
-  windows = windows.reshape((batch, groups, group_channels, *outs, *kernel))
-  windows = windows.permute((0, 1, *range(3, 3 + dims), 2, *range(3 + dims, 3 + 2 * dims)))
-  windows = windows.reshape((batch, groups, 1, *outs, group_channels, *kernel))
-  weight = weight.reshape((1, groups, per_group, *([1] * dims), group_channels, *kernel))
-  return _product_sum(windows, weight, tuple(range(-1 - dims, 0))).reshape((batch, out_channels, *outs))
+  return ((batch, groups, group_channels, *outs, *kernel),
+          (0, 1, *range(3, 3 + dims), 2, *range(3 + dims, 3 + 2 * dims)),
+          (batch, groups, 1, *outs, group_channels, *kernel),
+          (1, groups, out_channels // groups, *([1] * dims), group_channels, *kernel),
+          tuple(range(-1 - dims, 0)), (batch, out_channels, *outs))
 
 
 def _product_sum(a: Tensor | LazyBuffer, b: Tensor | LazyBuffer, axes: tuple[int, ...]) -> Tensor | LazyBuffer:
@@ -192,13 +230,18 @@ def _product_sum(a: Tensor | LazyBuffer, b: Tensor | LazyBuffer, axes: tuple[int
   if a.dtype != b.dtype:
     dtype = operands_dtype([a.dtype, b.dtype])
     a, b = a.cast(dtype), b.cast(dtype)
-  shape = tuple(size_a if size_b == 1 else size_b for size_a, size_b in zip(a.shape, b.shape))
+  shape, reduce_axes, kept = _product_sum_plan(a.shape, b.shape, axes)
   product = _mul(a.expand(shape), b.expand(shape))
   accumulate = dtypes.float32 if product.dtype in (dtypes.float16, dtypes.bfloat16) else product.dtype
+  return product.cast(accumulate).reduce(SUM, reduce_axes).reshape(kept).cast(product.dtype)
+
+
+@_remembered
+def _product_sum_plan(a_shape: tuple[int, ...], b_shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple:
+  """`_product_sum`'s shapes: the broadcast shape, the reduced axes (positive) and the shape kept."""
+  shape = tuple(size_a if size_b == 1 else size_b for size_a, size_b in zip(a_shape, b_shape))
   reduce_axes = tuple(normalize_axis(axis, len(shape)) for axis in axes)
-  summed = product.cast(accumulate).reduce(SUM, reduce_axes)
-  kept = tuple(size for axis, size in enumerate(shape) if axis not in reduce_axes)
-  return summed.reshape(kept).cast(product.dtype)
+  return shape, reduce_axes, tuple(size for axis, size in enumerate(shape) if axis not in reduce_axes)
 
 
 def _weight_gradient(windows: Tensor | LazyBuffer, grad: Tensor | LazyBuffer, kernel: tuple[int, ...],
@@ -206,17 +249,27 @@ def _weight_gradient(windows: Tensor | LazyBuffer, grad: Tensor | LazyBuffer, ke
   """d(stride-1 conv)/d(weight): sum over the batch and output positions of the `windows` of x (the forward's
   `_conv_windows`, (N, C, *out, *kernel)) times the output gradient; (C_out, C_in / groups, *kernel). One reduce
   kernel, as the forward."""
-  batch, channels, dims = windows.shape[0], windows.shape[1], len(kernel)
-  out_channels, outs = grad.shape[1], tuple(grad.shape[2:])
-  group_channels, per_group = channels // groups, out_channels // groups
-  windows = windows.reshape((batch, groups, 1, group_channels, *outs, *kernel))
-  grad = grad.reshape((batch, groups, per_group, 1, *outs, *([1] * dims)))
+  windows_shape, grad_shape, order, axes, out_shape = _weight_gradient_plan(tuple(windows.shape), tuple(grad.shape),
+                                                                            kernel, groups)
   # the reduce axes (batch, output positions) moved last, so the sum is one kernel with no stored product; the
   # operands are permuted, not the product, so the reduce reads its MUL base directly and the lazy layer sees a
   # matmul-like reduce (split-K on GPUs, lazy_reduce._matmul_like_reduce)
-  order = (1, 2, 3, *range(4 + dims, 4 + 2 * dims), 0, *range(4, 4 + dims))
-  product_sum = _product_sum(windows.permute(order), grad.permute(order), tuple(range(-1 - dims, 0)))
-  return product_sum.reshape((out_channels, group_channels, *kernel))
+  product_sum = _product_sum(windows.reshape(windows_shape).permute(order), grad.reshape(grad_shape).permute(order),
+                             axes)
+  return product_sum.reshape(out_shape)
+
+
+@_remembered
+def _weight_gradient_plan(windows_shape: tuple[int, ...], grad_shape: tuple[int, ...], kernel: tuple[int, ...],
+                          groups: int) -> tuple:
+  """`_weight_gradient`'s shapes: the windows and the gradient regrouped, the order that puts the reduced axes last,
+  the reduced axes and the weight's shape."""
+  batch, channels, dims = windows_shape[0], windows_shape[1], len(kernel)
+  out_channels, outs = grad_shape[1], grad_shape[2:]
+  group_channels, per_group = channels // groups, out_channels // groups
+  return ((batch, groups, 1, group_channels, *outs, *kernel), (batch, groups, per_group, 1, *outs, *([1] * dims)),
+          (1, 2, 3, *range(4 + dims, 4 + 2 * dims), 0, *range(4, 4 + dims)), tuple(range(-1 - dims, 0)),
+          (out_channels, group_channels, *kernel))
 
 
 def _input_gradient(grad: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, input_shape: tuple[int, ...],
@@ -224,12 +277,9 @@ def _input_gradient(grad: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, inpu
   """d(stride-1 conv)/d(input): the transposed convolution of the output gradient (a convolution with the flipped,
   regrouped weight, padded by dilation*(k-1) on each side), then the input's padding taken back off. One reduce
   kernel shaped like the forward, instead of every window's gradient stored and summed back (col2im)."""
-  kernel, dims = weight.shape[2:], len(weight.shape) - 2
-  padded = [size + before + after for size, (before, after) in zip(input_shape[2:], pads)]
-  # rows of the padded input past the last window get no gradient: pad the transposed conv's output up to them
-  used = [out + d * (k - 1) for out, k, d in zip(grad.shape[2:], kernel, dilations)]
-  transposed_pads = ((0, 0), (0, 0), *((d * (k - 1), d * (k - 1) + size - reach)
-                                       for k, d, size, reach in zip(kernel, dilations, padded, used)))
+  dims = len(weight.shape) - 2
+  transposed_pads, crop, uncrop = _input_gradient_plan(tuple(weight.shape), tuple(input_shape), tuple(grad.shape),
+                                                       tuple(pads), dilations)
   flipped = _transposed_weight(weight, groups)
   # the gradient is stored once, so that the convolution does not recompute its producer (a batchnorm backward) for
   # every tap of the window; on the CPU padded (a copy the size of the padded gradient: the convolution then reads it
@@ -237,12 +287,27 @@ def _input_gradient(grad: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, inpu
   # convolution's loads are masked at the padding)
   if store_padded_gradient(grad.device): grad = grad.pad(transposed_pads).contiguous()
   else: grad = grad.contiguous().pad(transposed_pads)
-  grad_padded = _conv_sum(grad, flipped, (1,) * dims, [(0, 0)] * dims, dilations, groups)
+  grad_padded = _conv_sum(grad, flipped, (1,) * dims, ((0, 0),) * dims, dilations, groups)
   # the input's padding taken back off (and the part a negative padding cropped put back as zeros)
-  batch_channels = ((0, grad_padded.shape[0]), (0, grad_padded.shape[1]))
-  cropped = grad_padded.shrink((*batch_channels, *((max(0, before), size - max(0, after))
-                                                   for (before, after), size in zip(pads, grad_padded.shape[2:]))))
-  return cropped.pad(((0, 0), (0, 0), *((max(0, -before), max(0, -after)) for before, after in pads)))
+  return grad_padded.shrink(crop).pad(uncrop)
+
+
+@_remembered
+def _input_gradient_plan(weight_shape: tuple[int, ...], input_shape: tuple[int, ...], grad_shape: tuple[int, ...],
+                         pads: tuple[tuple[int, int], ...], dilations: tuple[int, ...]) -> tuple:
+  """`_input_gradient`'s movement arguments: the output gradient's padding for the transposed convolution, then the
+  crop of the input's padding and the zeros put back where a negative padding cropped the input."""
+  kernel = weight_shape[2:]
+  padded = [size + before + after for size, (before, after) in zip(input_shape[2:], pads)]
+  # rows of the padded input past the last window get no gradient: pad the transposed conv's output up to them
+  used = [out + d * (k - 1) for out, k, d in zip(grad_shape[2:], kernel, dilations)]
+  transposed_pads = ((0, 0), (0, 0), *((d * (k - 1), d * (k - 1) + size - reach)
+                                       for k, d, size, reach in zip(kernel, dilations, padded, used)))
+  # (the transposed convolution's output is the padded input's shape)
+  crop = ((0, input_shape[0]), (0, input_shape[1]),
+          *((max(0, before), size - max(0, after)) for (before, after), size in zip(pads, padded)))
+  uncrop = ((0, 0), (0, 0), *((max(0, -before), max(0, -after)) for before, after in pads))
+  return transposed_pads, crop, uncrop
 
 
 def store_padded_gradient(device: str) -> bool:
@@ -335,6 +400,24 @@ def fold_patches(x: Tensor, output_size: IntOrTuple, kernel_size: IntOrTuple, di
   return image if x.ndim == 3 else image.squeeze(0)
 
 
+@_remembered
+def _pool_arguments(name: str, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None, padding: IntOrTuple,
+                    dilation: IntOrTuple) -> tuple[tuple[int, ...], ...]:
+  """A pooling's kernel, strides, pads and dilations per spatial dim, checked, from its arguments."""
+  kernel = _tuple(kernel_size, dims, "kernel_size")
+  # an empty stride (torch's default `stride=[]`) also means "stride = kernel_size"
+  strides = kernel if stride is None or (not isinstance(stride, Integral) and len(stride) == 0) \
+    else _tuple(stride, dims, "stride")
+  pads, dilations = _tuple(padding, dims, "padding"), _tuple(dilation, dims, "dilation")
+  _positive(kernel, f"{name} kernel_size")
+  _positive(strides, f"{name} stride")
+  _positive(dilations, f"{name} dilation")
+  # as in PyTorch: a window must never lie entirely in the padding
+  if any(not 0 <= p <= k // 2 for p, k in zip(pads, kernel)):
+    raise ValueError(f"{name}: padding {pads} must be >= 0 and at most half of kernel_size {kernel}")
+  return kernel, strides, pads, dilations
+
+
 class ConvMixin:
   """Tensor methods for convolutions and pooling over 1, 2 or 3 spatial dimensions."""
   __slots__ = ()
@@ -351,10 +434,7 @@ class ConvMixin:
     if self.ndim == dims + 1:  # unbatched input
       return self.unsqueeze(0)._convolve(dims, weight, bias, stride, padding, dilation, groups).squeeze(0)
     _check_conv(name, self, weight, bias, weight.shape[1] * groups, weight.shape[0], groups)
-    strides, dilations = _tuple(stride, dims, "stride"), _tuple(dilation, dims, "dilation")
-    _positive(strides, f"{name} stride")
-    _positive(dilations, f"{name} dilation")
-    pads = conv_padding(name, padding, weight.shape[2:], strides, dilations)
+    strides, pads, dilations = _conv_arguments(name, stride, padding, dilation, weight.shape[2:])
     return _conv(self, weight, bias, strides, pads, dilations, groups, name)
 
   @autocast_op(CastPolicy.LOWER)
@@ -445,18 +525,7 @@ class ConvMixin:
   def _pool_args(self: Tensor, name: str, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
                  padding: IntOrTuple, dilation: IntOrTuple) -> tuple[tuple[int, ...], ...]:
     _check_rank(self, name, (dims + 1, dims + 2))
-    kernel = _tuple(kernel_size, dims, "kernel_size")
-    # an empty stride (torch's default `stride=[]`) also means "stride = kernel_size"
-    strides = kernel if stride is None or (not isinstance(stride, Integral) and len(stride) == 0) \
-      else _tuple(stride, dims, "stride")
-    pads, dilations = _tuple(padding, dims, "padding"), _tuple(dilation, dims, "dilation")
-    _positive(kernel, f"{name} kernel_size")
-    _positive(strides, f"{name} stride")
-    _positive(dilations, f"{name} dilation")
-    # as in PyTorch: a window must never lie entirely in the padding
-    if any(not 0 <= p <= k // 2 for p, k in zip(pads, kernel)):
-      raise ValueError(f"{name}: padding {pads} must be >= 0 and at most half of kernel_size {kernel}")
-    return kernel, strides, pads, dilations
+    return _pool_arguments(name, dims, kernel_size, stride, padding, dilation)
 
   def _avg_pool(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
                 padding: IntOrTuple) -> Tensor:
