@@ -417,9 +417,10 @@ class _AdamBase(Optimizer):
     shape, and `node` makes each base (`_node_maker`)."""
     b1, one_minus_b1, b2, one_minus_b2 = constants[:4]
     m, v = self.m[index], self.v[index]
-    assign_lazy(m, node(ADD, None, (node(MUL, None, (old[0], b1)), node(MUL, None, (g, one_minus_b1)))), old[0])
-    assign_lazy(v, node(ADD, None, (node(MUL, None, (old[1], b2)),
-                               node(MUL, None, (node(MUL, None, (g, g)), one_minus_b2)))), old[1])
+    write = assign_lazy if node is _checked_node else _write_made   # (the state is never a Function's result)
+    write(m, node(ADD, None, (node(MUL, None, (old[0], b1)), node(MUL, None, (g, one_minus_b1)))), old[0])
+    write(v, node(ADD, None, (node(MUL, None, (old[1], b2)), node(MUL, None, (node(MUL, None, (g, g)), one_minus_b2)))),
+          old[1])
     # (each tensor's _lazydata is its newest version: assign_lazy set it)
     return m._lazydata, v._lazydata
 
@@ -450,14 +451,24 @@ def _node_maker(folding: bool, weights: Lazy, g: Lazy, m: Lazy, v: Lazy) -> Node
   elementwise would make exactly that base for every op of the update, because the parameter, its gradient and its
   moments are float32 values of one shape on one device, none of them a constant (a constant may fold), and no
   hyper-parameter constant folds (`folding`: `_folding`); else `_checked_node`. Building through elementwise's checks
-  was most of an update's cost per op."""
-  if folding: return _checked_node
-  shape, device = weights.shape, weights.device
-  for lazy in (weights, g, m, v):
-    if type(lazy) is not LazyBuffer or lazy.dtype is not dtypes.float32 or lazy.shape != shape or \
-        lazy.device != device or (lazy._base or lazy).op is CONST:
-      return _checked_node
-  return functools.partial(LazyBuffer.create_base, device, shape, dtypes.float32)
+  was most of an update's cost per op. (The checks as chained comparisons, not a loop: they run for every parameter
+  of every step.)"""
+  if folding or not type(weights) is type(g) is type(m) is type(v) is LazyBuffer: return _checked_node
+  shape, device, float32 = weights.shape, weights.device, dtypes.float32
+  if not (weights.dtype is g.dtype is m.dtype is v.dtype is float32 and shape == g.shape == m.shape == v.shape and
+          device == g.device == m.device == v.device) or \
+      CONST in ((weights._base or weights).op, (g._base or g).op, (m._base or m).op, (v._base or v).op):
+    return _checked_node
+  return functools.partial(LazyBuffer.create_base, device, shape, float32)
+
+
+def _write_made(tensor: Tensor, value: LazyBuffer, current: LazyBuffer) -> Tensor:
+  """`assign_lazy`'s short way without its checks, for a value a `_node_maker` partial made: a single device's
+  float32 value of the shape and device of `current` (the tensor's lazydata, checked there), written into a tensor
+  that no Function made."""
+  jit_recording.note_assign(tensor)
+  tensor._lazydata = current.write(value)
+  return tensor
 
 
 def _folding(values: tuple[float, ...]) -> bool:
@@ -510,7 +521,8 @@ class Adam(_AdamBase):
       numerator = node(MUL, None, (lazy.per_step(minus_step_size, m), m))
       step = node(MUL, None, (numerator, node(RECIP, None, (denominator,))))
       new_weights = node(ADD, None, (weights, lazy.cast(step, param.dtype)))
-      updated += [self.m[index], self.v[index], assign_lazy(param, new_weights, stored)]
+      write = assign_lazy if node is _checked_node or param._ctx is not None else _write_made
+      updated += [self.m[index], self.v[index], write(param, new_weights, stored)]
     return updated
 
 
