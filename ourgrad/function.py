@@ -7,6 +7,7 @@ that input needs none). The movement Functions (views, indexed reads) are in `fu
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import TYPE_CHECKING, Any
@@ -203,10 +204,20 @@ def _broadcast_to(x: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
 def _sum_to_shape(grad: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
   """The gradient of a value broadcast from `shape` (`_broadcast_to`): `grad` summed over the broadcast axes, in one
   reduce, and reshaped to `shape` where dims were added."""
-  padded = (1,) * (len(grad.shape) - len(shape)) + shape
-  axes = tuple(axis for axis, (old, new) in enumerate(zip(padded, grad.shape)) if old != new)
+  try:
+    axes, added = _broadcast_axes(grad.shape, shape)
+  except TypeError:   # (a shape that does not hash: not remembered)
+    axes, added = _broadcast_axes.__wrapped__(grad.shape, shape)
   summed = grad.reduce(SUM, axes)
-  return summed if padded == shape else summed.reshape(shape)
+  return summed.reshape(shape) if added else summed
+
+
+@functools.lru_cache(maxsize=1024)
+def _broadcast_axes(broadcast: tuple[int, ...], shape: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
+  """(the axes along which `shape` was broadcast to `broadcast`, whether dims were added in front): remembered, as
+  every linear layer's and broadcast operand's backward asks the same few every step."""
+  padded = (1,) * (len(broadcast) - len(shape)) + shape
+  return tuple(axis for axis, (old, new) in enumerate(zip(padded, broadcast)) if old != new), padded != shape
 
 
 # ---------------------------------------------------------------- unary
