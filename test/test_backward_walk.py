@@ -10,12 +10,13 @@ from ourgrad import Tensor
 
 
 def test_gradient_that_is_a_realized_tensor_keeps_its_value_after_a_write() -> None:
-  """d(sum(x * w))/dw is x itself (x * 1 folds to x): the walk gives it a value of its own, so a later in-place write
-  to x does not change w.grad (the short way through the edge loop and _own_value)."""
-  x = Tensor(np.array([1.0, 2.0, 3.0], np.float32)).realize()
+  """d(w + x)/dw with a given upstream gradient g is g itself, a realized tensor's memory: the walk gives it a value of
+  its own (the edge loop's short way to _own_value), so a later in-place write to g does not change w.grad."""
+  g = Tensor(np.array([1.0, 2.0, 3.0], np.float32)).realize()
   w = Tensor(np.ones(3, np.float32), requires_grad=True)
-  (x * w).sum().backward()
-  x.assign(Tensor(np.full(3, 9.0, np.float32))).realize()
+  (w + Tensor(np.zeros(3, np.float32))).backward(g)
+  assert w.grad.lazydata.base is not g.lazydata.base
+  g.assign(Tensor(np.full(3, 9.0, np.float32))).realize()
   np.testing.assert_array_equal(w.grad.numpy(), [1.0, 2.0, 3.0])
 
 
