@@ -21,6 +21,7 @@ from ourgrad.errors import ShapeError
 from ourgrad.function import Function, _sum_to_shape
 from ourgrad.helpers import register_cache_clearer
 from ourgrad.lazy import LazyBuffer
+from ourgrad.shape.shapetracker import ShapeTracker
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
@@ -33,12 +34,16 @@ Move = tuple[str, Any]
 class WindowMoves:
   """A chain of movement ops (`moves`) and the adjoints that take a gradient of its result back to its input's
   shape (`adjoints`, in the order they apply)."""
-  __slots__ = ("moves", "adjoints", "_shape")
+  __slots__ = ("moves", "adjoints", "_shape", "trackers", "adjoint_trackers", "sums")
 
   def __init__(self, shape: tuple[int, ...]):
     self.moves: list[Move] = []
     self.adjoints: list[Move] = []
     self._shape = shape   # the shape after the moves so far
+    # a lazy input's tracker -> the tracker the moves compose it to (trackers are interned: the same every step)
+    self.trackers: dict[ShapeTracker, ShapeTracker] = {}
+    self.adjoint_trackers: dict[ShapeTracker, ShapeTracker] = {}   # (the same for the adjoints, without a sum)
+    self.sums = False   # whether an adjoint sums (an expand's): then the adjoints are no view
 
   def pad(self, pairs: tuple[tuple[int, int], ...]) -> None:
     """Pad by the (before, after) pairs; a negative amount crops (a shrink first), as Tensor.pad does."""
@@ -68,6 +73,7 @@ class WindowMoves:
   def _note(self, name: str, arg: Any, adjoint: str, adjoint_arg: Any, shape: tuple[int, ...]) -> None:
     self.moves.append((name, arg))
     self.adjoints.insert(0, (adjoint, adjoint_arg))
+    self.sums = self.sums or adjoint == "sum_to"
     self._shape = shape
 
   @property
@@ -85,22 +91,38 @@ class MovedView(Function):
   buffer, the backward their adjoints to the gradient (the graph the movement Functions' backwards build)."""
 
   def forward(self, x: LazyBuffer, chain: WindowMoves) -> LazyBuffer:
-    self.adjoints = chain.adjoints
-    return apply_moves(x, chain.moves)
+    self.chain = chain
+    return moved(x, chain)
 
   def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    grad = grad_output
-    for name, arg in self.adjoints: grad = _sum_to_shape(grad, arg) if name == "sum_to" else getattr(grad, name)(arg)
+    chain, grad = self.chain, grad_output
+    if type(grad) is LazyBuffer and grad._const is None and not chain.sums:
+      return _composed(grad, chain.adjoints, chain.adjoint_trackers)
+    for name, arg in chain.adjoints: grad = _sum_to_shape(grad, arg) if name == "sum_to" else getattr(grad, name)(arg)
     return grad
+
+
+def _composed(x: LazyBuffer, moves: list[Move], trackers: dict[ShapeTracker, ShapeTracker]) -> LazyBuffer:
+  """`moves` (movement ops only) applied to x (no constant's storage) as one view through the tracker they compose
+  x's to, remembered in `trackers` (x's tracker is interned: the same every step)."""
+  st = trackers.get(x.st)
+  if st is None:
+    if len(trackers) >= _TRACKERS_PER_CHAIN: trackers.clear()
+    st = trackers[x.st] = apply_moves(x, moves).st
+  return x.view(st)
 
 
 def moved(x: Tensor | LazyBuffer, chain: WindowMoves) -> Tensor | LazyBuffer:
   """x viewed through `chain`: a lazy buffer's movement ops, a single device tensor's one MovedView node, a sharded
   tensor's own movement ops."""
-  if type(x) is LazyBuffer: return apply_moves(x, chain.moves)
+  if type(x) is LazyBuffer:
+    if x._const is not None: return apply_moves(x, chain.moves)   # (a constant's storage tracks its views: _moved)
+    return _composed(x, chain.moves, chain.trackers)   # one view through the composed tracker, not one per move
   if type(x._lazydata) is LazyBuffer and chain.moves: return MovedView.apply(x, chain=chain)
   return apply_moves(x, chain.moves)
 
+
+_TRACKERS_PER_CHAIN = 16
 
 # (input shape, window arguments) -> its WindowMoves: each convolution and pooling of a training step asks for the
 # same few every step

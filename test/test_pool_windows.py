@@ -98,3 +98,18 @@ def test_max_pool_applies_one_function_for_its_windows(monkeypatch: pytest.Monke
   monkeypatch.undo()
   assert applied == ["MovedView", "MaxToOne", "Reshape"], applied
   assert window_moves((2, 3, 7, 6), (2, 2), (2, 2), (1, 1)) is window_moves((2, 3, 7, 6), (2, 2), (2, 2), (1, 1))
+
+
+def test_a_lazy_input_is_viewed_once_through_the_composed_tracker() -> None:
+  """On a lazy buffer (a base, or a view of one) the chain is one view whose tracker the moves compose to, remembered
+  per input tracker; a constant's storage goes move by move (it tracks its views)."""
+  from ourgrad.tensor_windows import moved
+  base = Tensor(np.arange(2 * 3 * 7 * 6, dtype=np.float32).reshape(2, 3, 7, 6)).lazydata
+  chain = window_moves((2, 3, 6, 7), (3, 2), (2, 2), (1, 1), ((1, 1), (0, -1)))
+  for lazy in (base.permute((0, 1, 3, 2)), base.reshape((2, 3, 6, 7))):
+    viewed = moved(lazy, chain)
+    assert viewed.st == apply_moves(lazy, chain.moves).st and viewed.base is base
+    assert moved(lazy, chain).st is viewed.st
+  constant = Tensor.full((2, 3, 6, 7), 2.0).lazydata
+  expected = Tensor(apply_moves(constant, chain.moves)).numpy()
+  np.testing.assert_array_equal(Tensor(moved(constant, chain)).numpy(), expected)
