@@ -33,7 +33,7 @@ from ourgrad.helpers import normalize_axis
 from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import CastPolicy, autocast_op
 from ourgrad.ops import SUM
-from ourgrad.tensor_windows import pool_windows, window_ranks
+from ourgrad.tensor_windows import composed_view, pool_windows, window_ranks
 
 
 if TYPE_CHECKING:
@@ -202,7 +202,7 @@ def _conv_sum(x: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, strides: tupl
   if windows is None: windows = _conv_windows(x, tuple(weight.shape[2:]), strides, pads, dilations)   # a view of x
   grouped, order, lined_up, weight_shape, axes, out_shape = _conv_sum_plan(tuple(weight.shape), tuple(windows.shape),
                                                                            groups)
-  windows = windows.reshape(grouped).permute(order).reshape(lined_up)
+  windows = composed_view(windows, (("reshape", grouped), ("permute", order), ("reshape", lined_up)))
   return _product_sum(windows, weight.reshape(weight_shape), axes).reshape(out_shape)
 
 
@@ -254,8 +254,8 @@ def _weight_gradient(windows: Tensor | LazyBuffer, grad: Tensor | LazyBuffer, ke
   # the reduce axes (batch, output positions) moved last, so the sum is one kernel with no stored product; the
   # operands are permuted, not the product, so the reduce reads its MUL base directly and the lazy layer sees a
   # matmul-like reduce (split-K on GPUs, lazy_reduce._matmul_like_reduce)
-  product_sum = _product_sum(windows.reshape(windows_shape).permute(order), grad.reshape(grad_shape).permute(order),
-                             axes)
+  product_sum = _product_sum(composed_view(windows, (("reshape", windows_shape), ("permute", order))),
+                             composed_view(grad, (("reshape", grad_shape), ("permute", order))), axes)
   return product_sum.reshape(out_shape)
 
 

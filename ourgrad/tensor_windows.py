@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 # a movement op and its argument, as the LazyBuffer and Tensor methods of that name take it; "sum_to" (only among a
 # chain's adjoints) is the gradient of an expand: summed back to the argument's shape
 Move = tuple[str, Any]
+Lazy = Any   # a LazyBuffer or a MultiLazyBuffer
 
 
 class WindowMoves:
@@ -102,6 +103,25 @@ class MovedView(Function):
     return grad
 
 
+# (a lazy input's tracker, a tuple of moves) -> the tracker they compose it to (`composed_view`)
+_COMPOSED: dict[tuple, ShapeTracker] = {}
+_COMPOSED_MAX = 1024
+
+
+def composed_view(x: Lazy, moves: tuple[Move, ...]) -> Lazy:
+  """`moves` (movement ops, hashable arguments) applied to x: on a single device's lazy buffer (no constant's
+  storage) one view through the tracker they compose x's to, remembered per (tracker, moves); else move by move. For
+  the few fixed chains a layer applies at every step (a per-channel value broadcast, a convolution's operands lined
+  up), where a view per move was most of their cost."""
+  if type(x) is not LazyBuffer or x._const is not None: return apply_moves(x, moves)
+  key = (x.st, moves)
+  st = _COMPOSED.get(key)
+  if st is None:
+    if len(_COMPOSED) >= _COMPOSED_MAX: _COMPOSED.clear()
+    st = _COMPOSED[key] = apply_moves(x, moves).st
+  return x.view(st)
+
+
 def _composed(x: LazyBuffer, moves: list[Move], trackers: dict[ShapeTracker, ShapeTracker]) -> LazyBuffer:
   """`moves` (movement ops only) applied to x (no constant's storage) as one view through the tracker they compose
   x's to, remembered in `trackers` (x's tracker is interned: the same every step)."""
@@ -129,6 +149,7 @@ _TRACKERS_PER_CHAIN = 16
 _CHAINS: dict[tuple, WindowMoves] = {}
 _CHAINS_MAX = 256
 register_cache_clearer(_CHAINS.clear)
+register_cache_clearer(_COMPOSED.clear)
 
 
 def _remembered(key: tuple, plan: Any, *args: Any) -> WindowMoves:

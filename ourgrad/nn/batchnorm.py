@@ -35,6 +35,7 @@ from ourgrad.lazy import LazyBuffer
 from ourgrad.multi import MultiLazyBuffer
 from ourgrad.ops import ADD, MAX, SUM
 from ourgrad.tensor import Tensor
+from ourgrad.tensor_windows import composed_view
 
 
 Lazy = LazyBuffer | MultiLazyBuffer
@@ -54,8 +55,8 @@ def channel_view(t: Tensor, ndim: int) -> Tensor:
 
 
 def per_channel(values: Lazy, shape: tuple[int, ...]) -> Lazy:
-  """A per-channel (C,) lazy value broadcast to an (N, C, ...) input's `shape`."""
-  return values.reshape((1, shape[1], *([1] * (len(shape) - 2)))).expand(shape)
+  """A per-channel (C,) lazy value broadcast to an (N, C, ...) input's `shape` (one composed view)."""
+  return composed_view(values, (("reshape", (1, shape[1], *([1] * (len(shape) - 2)))), ("expand", shape)))
 
 
 def channel_sum(x: Lazy) -> Lazy:
