@@ -565,13 +565,14 @@ class Tensor(CreationMixin, MovementMixin, IndexingMixin, ScatterMixin, Elementw
         parent_lazy = parent._lazydata
         if parent_grad.shape != parent_lazy.shape:
           raise AssertionError(f"grad shape {parent_grad.shape} != {parent.shape}")
-        # the gradient as a value of its own on the parent's device(s) (`_gradient_for`), its common case written out
-        # (every edge of every backward walk): a computed gradient on the parent's single device is used as it is
+        # the gradient as a value of its own on the parent's device(s): a computed gradient on the parent's single
+        # device as it is (checked here, without _own_value's call: every edge of every backward walk), one that is a
+        # buffer's memory as an identity op of it (`_own_value`)
         if type(parent_grad) is LazyBuffer and type(parent_lazy) is LazyBuffer and \
             parent_grad.device == parent_lazy.device:
           grad_base = parent_grad._base or parent_grad   # (a LazyBuffer is always true)
           if grad_base.realized is not None or grad_base.op is ASSIGN: parent_grad = _own_value(parent_grad)
-        else: parent_grad = _gradient_for(parent, parent_grad)
+        else: parent_grad = _gradient_moved_for(parent, parent_grad)
         if parent_ctx is None:  # a leaf: its gradient is complete at the end of the walk
           known = found.get(id(parent))
           found[id(parent)] = (parent, parent_grad if known is None else _accumulate(known[1], parent_grad))
@@ -649,14 +650,10 @@ def _check_saved_values(ctx: F.Function) -> None:
                           f"pass; write it after backward(), or use a clone() in the forward")
 
 
-def _gradient_for(parent: Tensor, grad: Lazy) -> Lazy:
-  """A Function's gradient for its input `parent`, as a value of its own (`_own_value`) on the parent's device(s):
-  a Function may move data between devices (Shard)."""
-  parent_lazy = parent._lazydata
-  if type(grad) is LazyBuffer and type(parent_lazy) is LazyBuffer and grad.device == parent_lazy.device:
-    # (the common case, checked here without _own_value's call: a computed gradient on the parent's device)
-    base = grad._base if grad._base is not None else grad
-    return grad if base.realized is None and base.op is not ASSIGN else _own_value(grad)
+def _gradient_moved_for(parent: Tensor, grad: Lazy) -> Lazy:
+  """A Function's gradient for its input `parent` that is no single device's lazy buffer on the parent's device (a
+  Function may move data between devices: Shard), as a value of its own (`_own_value`) on the parent's device(s).
+  (The common case, a lazy buffer on the parent's device, is the backward walk's edge loop's.)"""
   return Tensor(_own_value(grad), device=parent.device, requires_grad=False).lazydata
 
 
