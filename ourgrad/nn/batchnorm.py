@@ -109,10 +109,14 @@ class BatchNormNormalize(Function):
 
   def forward(self, x: LazyBuffer, mean: LazyBuffer, invstd: LazyBuffer, weight: LazyBuffer | None = None,
               bias: LazyBuffer | None = None) -> LazyBuffer:
-    # one dtype for all (the Tensor ops' promotion; a no-op when they agree, as under autocast's float32 policy)
-    dtype = least_upper_dtype(*(operand.dtype for operand in (x, mean, invstd, weight, bias) if operand is not None))
-    x, mean, invstd = x.cast(dtype), mean.cast(dtype), invstd.cast(dtype)
-    weight, bias = (None if operand is None else operand.cast(dtype) for operand in (weight, bias))
+    # one dtype for all (the Tensor ops' promotion; a no-op when they agree, as under autocast's float32 policy, which
+    # is checked first: a promotion of five dtypes per batchnorm per step was most of this forward's own cost)
+    dtype = x.dtype
+    if not (mean.dtype is dtype and invstd.dtype is dtype and (weight is None or weight.dtype is dtype) and
+            (bias is None or bias.dtype is dtype)):
+      dtype = least_upper_dtype(*(operand.dtype for operand in (x, mean, invstd, weight, bias) if operand is not None))
+      x, mean, invstd = x.cast(dtype), mean.cast(dtype), invstd.cast(dtype)
+      weight, bias = (None if operand is None else operand.cast(dtype) for operand in (weight, bias))
     self.x, self.mean, self.invstd, self.weight = x, mean, invstd, weight
     # xhat, read again by the backward: the same lazy bases (it fuses into each kernel reading it, never stored)
     out = self.xhat = self._normalized()
