@@ -27,6 +27,7 @@ those the Tensor formulas built, operation for operation, so they fuse as before
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from ourgrad.dtype import dtypes, least_upper_dtype
@@ -49,6 +50,15 @@ def channel_reduce_axes(ndim: int) -> tuple[int, ...]:
   return (0, *range(2, ndim))
 
 
+@functools.lru_cache(maxsize=256)
+def _channel_counts(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]]:
+  """For an (N, C, ...) input's `shape`: the reduced axes, the count of values per channel, and the bounds of the
+  first sample of each channel (the shift's shrink). Remembered: every batchnorm of every step asks."""
+  axes = channel_reduce_axes(len(shape))
+  return (axes, math.prod(shape[axis] for axis in axes),
+          tuple((0, 1) if axis in axes else (0, size) for axis, size in enumerate(shape)))
+
+
 def channel_view(t: Tensor, ndim: int) -> Tensor:
   """A per-channel (C,) tensor shaped (1, C, 1, ...) to broadcast against an (N, C, ...) input of rank `ndim`."""
   return t.reshape(1, t.shape[0], *([1] * (ndim - 2)))
@@ -69,14 +79,13 @@ def batch_statistics(x: Tensor) -> tuple[Tensor, Tensor]:
   sum(x - s) and sum((x - s)^2) over all axes but 1 (one pass over x; see the module docstring). Half-precision
   input is summed in float32; the results have x's dtype. Not differentiable: pass a detached x (the backward of
   BatchNormNormalize accounts for the statistics)."""
-  axes = channel_reduce_axes(x.ndim)
-  count = math.prod(x.shape[axis] for axis in axes)
+  axes, count, first_sample = _channel_counts(x.shape)
   lazy = x.lazydata
   if isinstance(lazy, MultiLazyBuffer) and lazy.axis in axes:
     # sharded along a reduced axis, a view of one sample would cross shards: shift by the mean (a pass of its own)
     shift = x.detach().mean(axes, keepdim=True).lazydata
   else:   # a view of x, not a copy: the first sample of each channel, broadcast over that channel
-    shift = lazy.shrink(tuple((0, 1) if axis in axes else (0, size) for axis, size in enumerate(x.shape)))
+    shift = lazy.shrink(first_sample)
   accumulate = dtypes.float32 if x.dtype.itemsize < 4 else x.dtype
   shifted = _sub(lazy.cast(accumulate), shift.cast(accumulate).expand(x.shape))
   shifted_sum = channel_sum(shifted)
@@ -131,7 +140,7 @@ class BatchNormNormalize(Function):
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:
     grad, shape = grad_output, self.x.shape
-    count = math.prod(shape[axis] for axis in channel_reduce_axes(len(shape)))
+    count = _channel_counts(shape)[1]
     xhat = self.xhat
     # the two independent sums over the same inputs: one kernel of sibling reduces on a GPU
     grad_sum, grad_xhat_sum = channel_sum(grad), channel_sum(_mul(grad, xhat))
