@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ourgrad.dtype import DType, dtypes
 from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy_moves import composed_view
 from ourgrad.lazy_views import Storage
 from ourgrad.mixed_precision import store_low_precision
 from ourgrad.ops import (
@@ -570,14 +571,22 @@ class Matmul(Function):
             if needed]
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    return self._product_backward(grad_output, (), (), ())
+
+  def _product_backward(self, grad_output: LazyBuffer, output_moves: tuple, x_moves: tuple,
+                        y_moves: tuple) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    """The operands' gradients; `output_moves` take the output's gradient to the product's output shape, `x_moves`
+    and `y_moves` the operands' gradients on to a caller's inputs (Linear's). Each chain of views is one composed
+    view (lazy_moves.composed_view: the same tracker, one view)."""
     # the sum's gradient: the output's, broadcast over k
-    grad = grad_output.reshape(self.shape[:-1] + (1,)).expand(self.shape)
+    grad = composed_view(grad_output, (*output_moves, ("reshape", self.shape[:-1] + (1,)), ("expand", self.shape)))
     grad_x = grad_y = None
     if self.needs_input_grad[0]:
-      grad_x = _sum_to_shape(_mul(self.y, grad), self.x_rows_shape).reshape(self.x_shape)
+      grad_x = composed_view(_sum_to_shape(_mul(self.y, grad), self.x_rows_shape),
+                             (("reshape", self.x_shape), *x_moves))
     if self.needs_input_grad[1]:
-      grad_y = _sum_to_shape(_mul(self.x, grad), self.y_columns_shape).reshape(self.y_transposed_shape)
-      grad_y = grad_y.permute(self.y_order)
+      grad_y = composed_view(_sum_to_shape(_mul(self.x, grad), self.y_columns_shape),
+                             (("reshape", self.y_transposed_shape), ("permute", self.y_order), *y_moves))
     return grad_x, grad_y
 
 
@@ -598,9 +607,8 @@ class Linear(Matmul):
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:   # type: ignore[override]
     grad_bias = None
     if self.bias_shape is not None and self.needs_input_grad[2]: grad_bias = _sum_to_shape(grad_output, self.bias_shape)
-    grad_x, grad_weight = super().backward(grad_output.reshape(self.shape[:-1]))
-    if grad_x is not None: grad_x = grad_x.reshape(self.input_shape)
-    if grad_weight is not None: grad_weight = grad_weight.permute((1, 0))
+    grad_x, grad_weight = self._product_backward(grad_output, (("reshape", self.shape[:-1]),),
+                                                 (("reshape", self.input_shape),), (("permute", (1, 0)),))
     return (grad_x, grad_weight) if self.bias_shape is None else (grad_x, grad_weight, grad_bias)
 
 

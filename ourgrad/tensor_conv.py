@@ -33,7 +33,8 @@ from ourgrad.helpers import normalize_axis
 from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import CastPolicy, autocast_op
 from ourgrad.ops import SUM
-from ourgrad.tensor_windows import composed_view, pool_windows, window_ranks
+from ourgrad.lazy_moves import composed_view
+from ourgrad.tensor_windows import pool_windows, window_ranks
 
 
 if TYPE_CHECKING:

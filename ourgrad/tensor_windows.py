@@ -21,6 +21,7 @@ from ourgrad.errors import ShapeError
 from ourgrad.function import Function, _sum_to_shape
 from ourgrad.helpers import register_cache_clearer
 from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy_moves import Move, apply_moves
 from ourgrad.shape.shapetracker import ShapeTracker
 
 if TYPE_CHECKING:
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
 
 # a movement op and its argument, as the LazyBuffer and Tensor methods of that name take it; "sum_to" (only among a
 # chain's adjoints) is the gradient of an expand: summed back to the argument's shape
-Move = tuple[str, Any]
-Lazy = Any   # a LazyBuffer or a MultiLazyBuffer
 
 
 class WindowMoves:
@@ -81,12 +80,6 @@ class WindowMoves:
   def shape(self) -> tuple[int, ...]: return self._shape
 
 
-def apply_moves(x: Any, moves: list[Move]) -> Any:
-  """`moves` applied to x in order (a lazy buffer, or a tensor through its own movement ops)."""
-  for name, arg in moves: x = getattr(x, name)(arg)
-  return x
-
-
 class MovedView(Function):
   """A chain of movement ops (a `WindowMoves`) as one autograd node: the forward applies its moves to the lazy
   buffer, the backward their adjoints to the gradient (the graph the movement Functions' backwards build)."""
@@ -101,25 +94,6 @@ class MovedView(Function):
       return _composed(grad, chain.adjoints, chain.adjoint_trackers)
     for name, arg in chain.adjoints: grad = _sum_to_shape(grad, arg) if name == "sum_to" else getattr(grad, name)(arg)
     return grad
-
-
-# (a lazy input's tracker, a tuple of moves) -> the tracker they compose it to (`composed_view`)
-_COMPOSED: dict[tuple, ShapeTracker] = {}
-_COMPOSED_MAX = 1024
-
-
-def composed_view(x: Lazy, moves: tuple[Move, ...]) -> Lazy:
-  """`moves` (movement ops, hashable arguments) applied to x: on a single device's lazy buffer (no constant's
-  storage) one view through the tracker they compose x's to, remembered per (tracker, moves); else move by move. For
-  the few fixed chains a layer applies at every step (a per-channel value broadcast, a convolution's operands lined
-  up), where a view per move was most of their cost."""
-  if type(x) is not LazyBuffer or x._const is not None: return apply_moves(x, moves)
-  key = (x.st, moves)
-  st = _COMPOSED.get(key)
-  if st is None:
-    if len(_COMPOSED) >= _COMPOSED_MAX: _COMPOSED.clear()
-    st = _COMPOSED[key] = apply_moves(x, moves).st
-  return x.view(st)
 
 
 def _composed(x: LazyBuffer, moves: list[Move], trackers: dict[ShapeTracker, ShapeTracker]) -> LazyBuffer:
@@ -149,7 +123,6 @@ _TRACKERS_PER_CHAIN = 16
 _CHAINS: dict[tuple, WindowMoves] = {}
 _CHAINS_MAX = 256
 register_cache_clearer(_CHAINS.clear)
-register_cache_clearer(_COMPOSED.clear)
 
 
 def _remembered(key: tuple, plan: Any, *args: Any) -> WindowMoves:

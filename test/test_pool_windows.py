@@ -10,7 +10,8 @@ import torch.nn.functional as TF
 
 import ourgrad.function as F
 from ourgrad import Tensor
-from ourgrad.tensor_windows import MovedView, apply_moves, window_moves
+from ourgrad.lazy_moves import apply_moves
+from ourgrad.tensor_windows import MovedView, window_moves
 
 
 def _grads(make: object, values: np.ndarray, upstream: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

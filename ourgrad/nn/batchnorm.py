@@ -36,7 +36,7 @@ from ourgrad.lazy import LazyBuffer
 from ourgrad.multi import MultiLazyBuffer
 from ourgrad.ops import ADD, MAX, SUM
 from ourgrad.tensor import Tensor
-from ourgrad.tensor_windows import composed_view
+from ourgrad.lazy_moves import composed_view
 
 
 Lazy = LazyBuffer | MultiLazyBuffer
