@@ -42,21 +42,11 @@ def bytecodes_by_line(call: Callable[[], Any], function: Callable[..., Any]) -> 
   counts for the line `function`'s frame was last seen on (before its first line: key 0)."""
   code, counts, line = function.__code__, collections.Counter(), [0]
 
-  def local(frame: Any, event: str, arg: Any) -> Any:
-    if event == "opcode":
-      if frame.f_code is code: line[0] = frame.f_lineno
-      counts[line[0]] += 1
-    return local
-
-  def start(frame: Any, event: str, arg: Any) -> Any:
-    frame.f_trace_opcodes = True
-    return local
-  previous = sys.gettrace()
-  sys.settrace(start)
-  try:
-    call()
-  finally:
-    sys.settrace(previous)
+  def note(frame: Any) -> bool:
+    if frame.f_code is code: line[0] = frame.f_lineno
+    counts[line[0]] += 1
+    return True
+  bytecodes(call, note)
   return dict(counts)
 
 
