@@ -71,38 +71,55 @@ class Function:
   def apply(cls, *tensors: Tensor, **kwargs: Any) -> Tensor:
     Tensor = _TENSOR_CLASS or _tensor_class()  # noqa: N806 (the class)
     ctx = _new_function(cls)
-    # _record_inputs written out (one frame less for every op built); the flags kept in a local too (each read of
-    # ctx's attribute below would be two more steps, on every op built). Not the device: a forward may set it (Shard)
-    ctx.device = tensors[0]._lazydata.device   # (Tensor.device without the property call)
+    # the inputs' values read by a Python call (_lazydata) and forward called with its arguments listed, where it can
+    # be (one input, or two without keywords: most ops): a property read through map, or a call with *args and
+    # **kwargs, re-enters the interpreter from C, which costs as much as the rest of this function. Whether a
+    # gradient is needed is decided first: the bookkeeping is written only for a Function that is kept
     count = len(tensors)
-    if count == 2: needs = [tensors[0].requires_grad, tensors[1].requires_grad]
-    elif count == 1: needs = [tensors[0].requires_grad]
-    else: needs = list(map(_requires_grad_of, tensors))
-    ctx.needs_input_grad = needs
-    ctx.requires_grad = requires = True if True in needs else None if None in needs else False
-    if requires:
-      ctx.parents, ctx.parent_ctxs, ctx.versions_seen = tensors, tuple(map(_ctx_of, tensors)), Storage.versions_made
-    # one input, or two without keywords (most ops): each input's value read by a Python call (_lazydata) and forward
-    # called with its arguments listed, where it can be: a property read through map, or a call with *args and
-    # **kwargs, re-enters the interpreter from C, which costs as much as the rest of this function
     if count == 1:
-      output = ctx.forward(_lazydata(tensors[0]), **kwargs) if kwargs else ctx.forward(_lazydata(tensors[0]))
-    elif count == 2 and not kwargs: output = ctx.forward(_lazydata(tensors[0]), _lazydata(tensors[1]))
-    else: output = ctx.forward(*map(_lazydata_of, tensors), **kwargs)
+      requires = tensors[0].requires_grad
+      if requires: _record(ctx, tensors, [True])
+      source = _lazydata(tensors[0])
+      output = ctx.forward(source, **kwargs) if kwargs else ctx.forward(source)
+    elif count == 2 and not kwargs:
+      first, second = tensors
+      first_needs, second_needs = first.requires_grad, second.requires_grad
+      if first_needs or second_needs:   # (True, None or False each: one of them True)
+        requires = True
+        _record(ctx, tensors, [first_needs, second_needs])
+      else: requires = None if first_needs is None or second_needs is None else False
+      source = _lazydata(first)
+      output = ctx.forward(source, _lazydata(second))
+    else:
+      needs = list(map(_requires_grad_of, tensors))
+      requires = True if True in needs else None if None in needs else False
+      if requires: _record(ctx, tensors, needs)
+      source = tensors[0]._lazydata
+      output = ctx.forward(*map(_lazydata_of, tensors), **kwargs)
     # integer and bool results (comparisons, casts to int) carry no gradient, as in PyTorch; under no_grad() nothing
     # is recorded and the result does not require grad (PyTorch's rule: a later backward() through it raises instead
     # of silently doing nothing)
-    if requires is not False and (Tensor.no_grad or not output.dtype.is_float): ctx.requires_grad = requires = False
-    if type(output) is LazyBuffer and output.device == ctx.device:
+    if requires is not False and (Tensor.no_grad or not output.dtype.is_float): requires = False
+    if type(output) is LazyBuffer and output.device == source.device:
       # the result of nearly every op: a tensor around `output` as it is. Its four slots set here cost a fraction of
       # Tensor.__init__'s checks (none applies: one device, no dtype change, a gradient only for floats)
       result = _new_tensor(Tensor)
       result._lazydata, result.requires_grad, result.grad = output, requires, None
       result._ctx = ctx if requires else None
       return result
-    result = Tensor(output, device=ctx.device, requires_grad=requires)
+    # (a forward may have set the device: Shard)
+    result = Tensor(output, device=vars(ctx).get("device", source.device), requires_grad=requires)
     if requires: result._ctx = ctx
     return result
+
+
+def _record(ctx: Function, tensors: tuple[Tensor, ...], needs: list[bool | None]) -> None:
+  """The bookkeeping of a Function that is kept (an input needs a gradient), before its forward runs: the device, which
+  inputs need a gradient, and the inputs with the Functions they have now (an in-place write may give an input tensor
+  a new one later: assign); `versions_seen`: no in-place write since (the count unchanged at backward) means nothing
+  it saves can have gone stale."""
+  ctx.device, ctx.needs_input_grad, ctx.requires_grad = tensors[0]._lazydata.device, needs, True
+  ctx.parents, ctx.parent_ctxs, ctx.versions_seen = tensors, tuple(map(_ctx_of, tensors)), Storage.versions_made
 
 
 _new_function = _new_tensor = object.__new__
@@ -119,6 +136,21 @@ def _lazydata(tensor: Tensor) -> LazyBuffer | Any:
     return tensor.lazydata
   return lazy
 _ctx_of = operator.attrgetter("_ctx")
+
+
+def view_without_gradient(tensor: Tensor, move: Any, arg: Any) -> Tensor | None:
+  """`move(lazy, arg)` (a LazyBuffer movement method: reshape, permute, expand, shrink) of a tensor that needs no
+  gradient, as its movement Function's forward makes it, in a tensor as Function.apply makes it without keeping the
+  Function (one input: the result's requires_grad is the input's, False for no_grad or a non-float). None for a
+  tensor that needs one or is on several devices: the caller applies the Function."""
+  requires = tensor.requires_grad
+  if requires or type(tensor._lazydata) is not LazyBuffer: return None
+  output = move(_lazydata(tensor), arg)
+  Tensor = type(tensor)  # noqa: N806 (the class)
+  result = _new_tensor(Tensor)
+  result._lazydata, result.grad, result._ctx = output, None, None
+  result.requires_grad = False if Tensor.no_grad or not output.dtype.is_float else requires
+  return result
 
 
 def _record_inputs(ctx: Function, device: str, tensors: tuple[Tensor, ...]) -> None:
@@ -555,14 +587,17 @@ class Matmul(Function):
   reduce, y's put back with a permute (a view)."""
 
   def forward(self, x: LazyBuffer, y: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
-    self.x_shape, self.y_shape, self.shape = x.shape, y.shape, shape
+    self.x_shape = x.shape
     rank = len(y.shape)
     self.y_order = (*range(rank - 2), rank - 1, rank - 2)   # y's transpose (its own inverse)
-    x_rows = x.reshape(x.shape[:-1] + (1, x.shape[-1]))
     y_columns = y.permute(self.y_order)
     self.y_transposed_shape = y_columns.shape
-    y_columns = y_columns.reshape(y_columns.shape[:-2] + (1,) + y_columns.shape[-2:])
-    self.x_rows_shape, self.y_columns_shape = x_rows.shape, y_columns.shape
+    x_rows = x.reshape(x.shape[:-1] + (1, x.shape[-1]))
+    return self._product(x_rows, y_columns.reshape(y_columns.shape[:-2] + (1,) + y_columns.shape[-2:]), shape)
+
+  def _product(self, x_rows: LazyBuffer, y_columns: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
+    """x_rows (..., m, 1, k) times y_columns (..., 1, n, k), both broadcast to `shape`, summed over k: (..., m, n)."""
+    self.shape, self.x_rows_shape, self.y_columns_shape = shape, x_rows.shape, y_columns.shape
     self.x, self.y = _broadcast_to(x_rows, shape), _broadcast_to(y_columns, shape)
     return _mul(self.x, self.y).reduce(SUM, (len(shape) - 1,)).reshape(shape[:-1])
 
@@ -571,13 +606,15 @@ class Matmul(Function):
             if needed]
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
-    return self._product_backward(grad_output, (), (), ())
+    # (y's gradient in y's transpose's shape, put back with the transpose's own inverse)
+    return self._product_gradients(grad_output, (), (), (("permute", self.y_order),))
 
-  def _product_backward(self, grad_output: LazyBuffer, output_moves: tuple, x_moves: tuple,
-                        y_moves: tuple) -> tuple[LazyBuffer | None, LazyBuffer | None]:
-    """The operands' gradients; `output_moves` take the output's gradient to the product's output shape, `x_moves`
-    and `y_moves` the operands' gradients on to a caller's inputs (Linear's). Each chain of views is one composed
-    view (lazy_moves.composed_view: the same tracker, one view)."""
+  def _product_gradients(self, grad_output: LazyBuffer, output_moves: tuple, x_moves: tuple,
+                         y_moves: tuple) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    """The gradients of x (in x's shape) and of y_columns (in y's transpose's shape, (..., n, k)) of `_product`,
+    moved on by `x_moves` and `y_moves` to a caller's inputs; `output_moves` take the output's gradient to the
+    product's output shape (Linear's). Each chain of views is one composed view (lazy_moves.composed_view: the same
+    tracker, one view)."""
     # the sum's gradient: the output's, broadcast over k
     grad = composed_view(grad_output, (*output_moves, ("reshape", self.shape[:-1] + (1,)), ("expand", self.shape)))
     grad_x = grad_y = None
@@ -586,7 +623,7 @@ class Matmul(Function):
                              (("reshape", self.x_shape), *x_moves))
     if self.needs_input_grad[1]:
       grad_y = composed_view(_sum_to_shape(_mul(self.x, grad), self.y_columns_shape),
-                             (("reshape", self.y_transposed_shape), ("permute", self.y_order), *y_moves))
+                             (("reshape", self.y_transposed_shape), *y_moves))
     return grad_x, grad_y
 
 
@@ -594,12 +631,17 @@ class Linear(Matmul):
   """x (..., k) @ weight (n, k).T [+ bias (n,)] -> (..., n), operands of one dtype: Tensor.linear's graph as one
   autograd node. The Tensor ops build weight.T (a Permute), x viewed as (rows, k) (a Reshape, where x has more than two
   dims), the Matmul, its result viewed back, and the bias broadcast (an Expand) and added: five nodes where this is
-  one, and its backward the graph their backward walk built, operation for operation (so the kernels are the same)."""
+  one, and its backward the graph their backward walk built, operation for operation (so the kernels are the same).
+  The weight is the Matmul's y transposed, which the Matmul transposes back: taken as it is (a permute of a permute is
+  the view itself), in the forward and the backward."""
 
   def forward(self, x: LazyBuffer, weight: LazyBuffer, *bias: LazyBuffer) -> LazyBuffer:   # type: ignore[override]
     self.input_shape, outputs = x.shape, weight.shape[0]
-    rows = x.reshape((math.prod(x.shape[:-1]), x.shape[-1])) if len(x.shape) > 2 else x
-    product = super().forward(rows, weight.permute((1, 0)), (rows.shape[0], outputs, x.shape[-1]))
+    count, features = math.prod(x.shape[:-1]), x.shape[-1]
+    # x seen as (rows, k) and then as (rows, 1, k): one view to the second (a reshape of a reshape is one reshape)
+    self.x_shape, self.y_transposed_shape = (count, features), weight.shape
+    x_rows = x.reshape((count, 1, features))
+    product = self._product(x_rows, weight.reshape((1,) + weight.shape), (count, outputs, features))
     product = product.reshape(x.shape[:-1] + (outputs,))
     self.bias_shape = bias[0].shape if bias else None
     return product.elementwise(ADD, _broadcast_to(bias[0], product.shape)) if bias else product
@@ -607,8 +649,8 @@ class Linear(Matmul):
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:   # type: ignore[override]
     grad_bias = None
     if self.bias_shape is not None and self.needs_input_grad[2]: grad_bias = _sum_to_shape(grad_output, self.bias_shape)
-    grad_x, grad_weight = self._product_backward(grad_output, (("reshape", self.shape[:-1]),),
-                                                 (("reshape", self.input_shape),), (("permute", (1, 0)),))
+    grad_x, grad_weight = self._product_gradients(grad_output, (("reshape", self.shape[:-1]),),
+                                                  (("reshape", self.input_shape),), ())
     return (grad_x, grad_weight) if self.bias_shape is None else (grad_x, grad_weight, grad_bias)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from ourgrad import function as F
 from ourgrad import function_movement as FM
+from ourgrad.function import _lazydata, view_without_gradient
 from ourgrad.dtype import DType, dtypes, least_upper_dtype, operands_dtype, result_dtype
 from ourgrad.errors import DeviceError, DTypeError, ShapeError
 from ourgrad.lazy import LazyBuffer
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 
 _PY_SCALARS = (bool, int, float)
-_new_tensor = object.__new__
+_new_tensor = _new_function = object.__new__
 _BOOL = dtypes.bool
 
 
@@ -189,12 +190,47 @@ class ElementwiseMixin:
     shape = _broadcast_shape(x.shape, y.shape)
     return x.cast(dtype).expand(shape), y.cast(dtype).expand(shape)
 
+  def _direct_operation(self, function: type[F.Function], other: Any, reverse: bool) -> Tensor | None:
+    """`function` of this float tensor, which needs no gradient, and a Python scalar or a tensor of its shape, dtype
+    and device that needs none either (inference: `x + 1`, `x * 0.5`, a residual add), built on lazy buffers as
+    Function.apply builds it from `_broadcasted`'s operands (a scalar shared at this tensor's shape and dtype, as a
+    float tensor keeps its dtype with any scalar). No Function is kept, so its bookkeeping, the scalar's Tensor and
+    the broadcast's checks are left out. None where the general path must decide (another shape or dtype, a
+    multi-device or non-float tensor, an operand that needs a gradient)."""
+    # (decided on the tensors' own buffers, whose shape, dtype and device every newer version shares: the newest
+    # versions are read only for an op that is built here)
+    mine = self._lazydata
+    if type(mine) is not LazyBuffer or not mine.dtype.is_float: return None
+    if type(other) in _PY_SCALARS:
+      theirs = LazyBuffer.operand_constant(other, mine.shape, mine.dtype, mine.device)
+      # (Function.apply's rule: the scalar's requires_grad is None, so the result's is None unless gradients are off
+      # or it is no float)
+      requires = None
+    elif type(other) is type(self) and not (other_needs := other.requires_grad):
+      theirs = other._lazydata
+      if type(theirs) is not LazyBuffer or theirs.dtype is not mine.dtype or theirs.shape != mine.shape or \
+          theirs.device != mine.device: return None
+      theirs = _lazydata(other)
+      requires = None if other_needs is None or self.requires_grad is None else False
+    else: return None
+    lazy = _lazydata(self)
+    ctx = _new_function(function)
+    output = ctx.forward(theirs, lazy) if reverse else ctx.forward(lazy, theirs)
+    result = _new_tensor(type(self))
+    result._lazydata, result.grad, result._ctx = output, None, None
+    result.requires_grad = False if type(self).no_grad or not output.dtype.is_float else requires
+    return result
+
   def _broadcast_to(self, shape: tuple[int, ...]) -> Tensor:
     """This tensor broadcast to `shape`, a shape _broadcast_shape gave for it: the Functions expand(shape) applies
     (a Reshape where only leading dims are added, else an Expand), without expand's checks of the shape."""
     if self.shape == shape: return self
     padded = (1,) * (len(shape) - len(self.shape)) + self.shape
-    return FM.Reshape.apply(self, shape=padded) if padded == shape else FM.Expand.apply(self, shape=shape)
+    if padded == shape:
+      viewed = view_without_gradient(self, LazyBuffer.reshape, padded)   # (no gradient needed: no Function)
+      return viewed if viewed is not None else FM.Reshape.apply(self, shape=padded)
+    viewed = view_without_gradient(self, F._broadcast_to, shape)   # (Expand's forward)
+    return viewed if viewed is not None else FM.Expand.apply(self, shape=shape)
 
   def _float_operand(self) -> Tensor:
     """Float math on ints and bools promotes to the default float, as in PyTorch."""
@@ -216,6 +252,7 @@ class ElementwiseMixin:
   def add(self, other: Any, reverse: bool = False) -> Tensor:
     """self + other (other + self if `reverse`), broadcast and type-promoted; bool + bool is logical or; no `alpha`
     argument."""
+    if not self.requires_grad and (result := self._direct_operation(F.Add, other, reverse)) is not None: return result
     x, y = self._broadcasted(other, reverse)
     if x._lazydata.dtype is _BOOL: return x | y   # (Tensor.dtype without the property call: every op)
     return F.Add.apply(x, y)
@@ -233,12 +270,15 @@ class ElementwiseMixin:
 
   def mul(self, other: Any, reverse: bool = False) -> Tensor:
     """self * other, broadcast and type-promoted; bool * bool is logical and."""
+    if not self.requires_grad and (result := self._direct_operation(F.Mul, other, reverse)) is not None: return result
     x, y = self._broadcasted(other, reverse)
     if x._lazydata.dtype is _BOOL: return x & y
     return F.Mul.apply(x, y)
 
   def div(self, other: Any, reverse: bool = False, rounding_mode: str | None = None) -> Tensor:
     """True division (ints promote to float); rounding_mode "trunc" or "floor" as in torch.div."""
+    if rounding_mode is None and not self.requires_grad and \
+        (result := self._direct_operation(F.Div, other, reverse)) is not None: return result
     x, y = self._broadcasted(other, reverse)
     if rounding_mode is not None and not reverse: self._check_divisor(other, x.dtype, "division")
     if rounding_mode == "floor": return x.floor_divide(y)

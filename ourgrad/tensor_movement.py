@@ -19,7 +19,9 @@ import numpy as np
 from ourgrad import function_movement as FM
 from ourgrad.dtype import dtypes, least_upper_dtype
 from ourgrad.errors import AxisError, DeviceError, DTypeError, ShapeError
+from ourgrad.function import _broadcast_to, view_without_gradient
 from ourgrad.helpers import normalize_axis, prod
+from ourgrad.lazy import LazyBuffer
 from ourgrad.shape.shapetracker import valid_window
 from ourgrad.shape.symbolic import is_symbolic, sym_infer
 from ourgrad.tensor_resize import PAD_MODES, pad_with_mode
@@ -49,7 +51,10 @@ class MovementMixin:
     if prod(new_shape) != prod(current):
       raise ShapeError(f"cannot reshape {current} ({prod(current)} elements) to {new_shape} "
                        f"({prod(new_shape)} elements)")
-    return self if new_shape == current else FM.Reshape.apply(self, shape=new_shape)
+    if new_shape == current: return self
+    # (no gradient needed: the view without a Function, as Reshape's forward makes it)
+    viewed = view_without_gradient(self, LazyBuffer.reshape, new_shape)
+    return viewed if viewed is not None else FM.Reshape.apply(self, shape=new_shape)
 
   def _resolve_reshape(self, new_shape: tuple) -> tuple:
     """A reshape's sizes checked, with -1 inferred and numpy ints made ints (symbolic sizes kept)."""
@@ -74,7 +79,9 @@ class MovementMixin:
       raise AxisError(f"permute of a tensor with {self.ndim} dimensions got {len(axes)} axes: {axes}")
     axes = tuple(self._axis(axis) for axis in axes)
     if sorted(axes) != list(range(self.ndim)): raise AxisError(f"permute axes {axes} are not a permutation")
-    return self if axes == tuple(range(self.ndim)) else FM.Permute.apply(self, order=axes)
+    if axes == tuple(range(self.ndim)): return self
+    viewed = view_without_gradient(self, LazyBuffer.permute, axes)   # (as Permute's forward makes it)
+    return viewed if viewed is not None else FM.Permute.apply(self, order=axes)
 
   def expand(self, *shape: int | Sequence[int]) -> Tensor:
     """Broadcast size-1 dimensions to `shape` (-1 keeps a size); no data is copied."""
@@ -86,7 +93,9 @@ class MovementMixin:
       padded, final = _expand_plan(*key)
     except TypeError:   # an unhashable size: not remembered
       padded, final = _expand_plan.__wrapped__(*key)
-    return self.reshape(padded) if final == padded else FM.Expand.apply(self, shape=final)
+    if final == padded: return self.reshape(padded)
+    viewed = view_without_gradient(self, _broadcast_to, final)   # (no gradient needed: Expand's forward, no Function)
+    return viewed if viewed is not None else FM.Expand.apply(self, shape=final)
 
   def broadcast_to(self, shape: Sequence[int]) -> Tensor:
     """A view of this tensor broadcast to `shape` (the same as expand)."""
@@ -117,7 +126,8 @@ class MovementMixin:
     for (start, end), size in zip(bounds, self.shape):
       if not valid_window(start, end, size): raise ShapeError(f"shrink {bounds} is outside shape {self.shape}")
     if all(bound == (0, size) for bound, size in zip(bounds, self.shape)): return self
-    return FM.Shrink.apply(self, arg=bounds)
+    viewed = view_without_gradient(self, LazyBuffer.shrink, bounds)   # (as Shrink's forward makes it)
+    return viewed if viewed is not None else FM.Shrink.apply(self, arg=bounds)
 
   def pad(self, padding: Sequence[int] | Sequence[tuple[int, int] | None], value: Scalar = 0.0,
           mode: str = "constant") -> Tensor:

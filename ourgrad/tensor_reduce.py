@@ -22,7 +22,7 @@ import numpy as np
 from ourgrad import function as F
 from ourgrad.dtype import DType, dtypes, least_upper_dtype, sum_dtype
 from ourgrad.errors import AxisError, DeviceError, ShapeError
-from ourgrad.helpers import prod
+from ourgrad.helpers import normalize_axis, prod
 from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import CastPolicy, autocast_op, store_low_precision
 from ourgrad.ops import ADD, MAX_REDUCE, OR, SUM, WHERE
@@ -95,12 +95,27 @@ def _one_linear_node(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
   if type(mine) is not LazyBuffer or type(theirs) is not LazyBuffer: return False
   if mine.dtype not in (dtypes.float32, dtypes.float64) or theirs.dtype is not mine.dtype: return False
   if theirs.device != mine.device or len(mine.shape) < 2 or len(theirs.shape) != 2: return False
-  if not all(type(size) is int and size > 0 for size in mine.shape + theirs.shape): return False
+  for size in mine.shape + theirs.shape:   # (a loop, not all() over a generator: no generator frame per linear)
+    if type(size) is not int or size <= 0: return False
   if mine.shape[-1] != theirs.shape[1]: return False
   if bias is None: return True
   extra = bias._lazydata
   return type(extra) is LazyBuffer and extra.dtype is mine.dtype and extra.device == mine.device and \
       extra.shape == (theirs.shape[0],)
+
+
+@functools.lru_cache(maxsize=1 << 12, typed=True)
+def _reduce_axes_of(ndim: int, axis: int | Sequence[int] | None) -> tuple[int, ...]:
+  """ReduceMixin._reduce_axes for a tensor of `ndim` dims, remembered per (ndim, axis and its type): a model reduces
+  over the same axes every step (errors are raised again each time: lru_cache keeps only results; a float axis is
+  another key, so it never takes an int's answer)."""
+  if axis is None: return tuple(range(ndim))
+  axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+  normalized = tuple(normalize_axis(int(a), ndim) for a in axes)
+  # a 0-d tensor takes axis 0 or -1 as PyTorch does (checked above) and has nothing to reduce over
+  if ndim == 0: return ()
+  if len(set(normalized)) != len(normalized): raise AxisError(f"axis {axis} repeats a dimension")
+  return normalized
 
 
 class ReduceMixin:
@@ -110,13 +125,12 @@ class ReduceMixin:
   # ---------------------------------------------------------------- reductions
 
   def _reduce_axes(self, axis: int | Sequence[int] | None) -> tuple[int, ...]:
-    if axis is None: return tuple(range(self.ndim))
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
-    normalized = tuple(self._axis(int(a)) for a in axes)
-    # a 0-d tensor takes axis 0 or -1 as PyTorch does (checked above) and has nothing to reduce over
-    if self.ndim == 0: return ()
-    if len(set(normalized)) != len(normalized): raise AxisError(f"axis {axis} repeats a dimension")
-    return normalized
+    """`axis` (None: all) as a tuple of non-negative axes of this tensor; AxisError for one out of range or repeated."""
+    ndim = len(self._lazydata.shape)
+    try:
+      return _reduce_axes_of(ndim, axis)
+    except TypeError:   # an unhashable axis (a list): not remembered
+      return _reduce_axes_of.__wrapped__(ndim, axis)
 
   def _reduce(self, function: type[F.Function], axis: int | Sequence[int] | None, keepdim: bool) -> Tensor:
     axes = self._reduce_axes(axis)
@@ -238,8 +252,13 @@ class ReduceMixin:
     if self.ndim == 0: return Tensor.zeros((), dtype=dtypes.int64, device=self.device)
     size = self.shape[dim]
     if size == 0: raise ShapeError(f"argmax of an empty dimension {dim} of shape {self.shape}")
-    is_max = self == self.max(dim, keepdim=True)
-    if self.dtype.is_float: is_max = is_max | (self.isnan() & self.isnan().any(dim, keepdim=True))
+    # an index has no gradient: built from the values alone, no op records a Function for the backward (the accuracy
+    # of a training step's logits)
+    x = self.detach() if self.requires_grad else self
+    is_max = x == x.max(dim, keepdim=True)
+    if x.dtype.is_float:
+      nan = x.isnan()
+      is_max = is_max | (nan & nan.any(dim, keepdim=True))
     # the first maximal index has the largest (size - index)
     countdown = Tensor.arange(size, 0, -1, device=self.device).reshape((size,) + (1,) * (self.ndim - dim - 1))
     best = is_max.where(countdown, 0).max(dim, keepdim)
