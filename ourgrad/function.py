@@ -7,12 +7,14 @@ that input needs none). The movement Functions (views, indexed reads) are in `fu
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import TYPE_CHECKING, Any
 
 from ourgrad.dtype import DType, dtypes
 from ourgrad.lazy import LazyBuffer
+from ourgrad.lazy_moves import composed_view
 from ourgrad.lazy_reduce import reduce_product
 from ourgrad.lazy_views import Storage
 from ourgrad.mixed_precision import store_low_precision
@@ -236,10 +238,20 @@ def _broadcast_to(x: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
 def _sum_to_shape(grad: LazyBuffer, shape: tuple[int, ...]) -> LazyBuffer:
   """The gradient of a value broadcast from `shape` (`_broadcast_to`): `grad` summed over the broadcast axes, in one
   reduce, and reshaped to `shape` where dims were added."""
-  padded = (1,) * (len(grad.shape) - len(shape)) + shape
-  axes = tuple(axis for axis, (old, new) in enumerate(zip(padded, grad.shape)) if old != new)
+  try:
+    axes, added = _broadcast_axes(grad.shape, shape)
+  except TypeError:   # (a shape that does not hash: not remembered)
+    axes, added = _broadcast_axes.__wrapped__(grad.shape, shape)
   summed = grad.reduce(SUM, axes)
-  return summed if padded == shape else summed.reshape(shape)
+  return summed.reshape(shape) if added else summed
+
+
+@functools.lru_cache(maxsize=1024)
+def _broadcast_axes(broadcast: tuple[int, ...], shape: tuple[int, ...]) -> tuple[tuple[int, ...], bool]:
+  """(the axes along which `shape` was broadcast to `broadcast`, whether dims were added in front): remembered, as
+  every linear layer's and broadcast operand's backward asks the same few every step."""
+  padded = (1,) * (len(broadcast) - len(shape)) + shape
+  return tuple(axis for axis, (old, new) in enumerate(zip(padded, broadcast)) if old != new), padded != shape
 
 
 # ---------------------------------------------------------------- unary
@@ -595,19 +607,24 @@ class Matmul(Function):
             if needed]
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
-    grad_x, grad_y = self._product_gradients(grad_output)
     # (y's gradient in y's transpose's shape, put back with the transpose's own inverse)
-    return grad_x, grad_y.permute(self.y_order) if grad_y is not None else None
+    return self._product_gradients(grad_output, (), (), (("permute", self.y_order),))
 
-  def _product_gradients(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, LazyBuffer | None]:
-    """The gradients of x (in x's shape) and of y_columns (in y's transpose's shape, (..., n, k)) of `_product`."""
+  def _product_gradients(self, grad_output: LazyBuffer, output_moves: tuple, x_moves: tuple,
+                         y_moves: tuple) -> tuple[LazyBuffer | None, LazyBuffer | None]:
+    """The gradients of x (in x's shape) and of y_columns (in y's transpose's shape, (..., n, k)) of `_product`,
+    moved on by `x_moves` and `y_moves` to a caller's inputs; `output_moves` take the output's gradient to the
+    product's output shape (Linear's). Each chain of views is one composed view (lazy_moves.composed_view: the same
+    tracker, one view)."""
     # the sum's gradient: the output's, broadcast over k
-    grad = grad_output.reshape(self.shape[:-1] + (1,)).expand(self.shape)
+    grad = composed_view(grad_output, (*output_moves, ("reshape", self.shape[:-1] + (1,)), ("expand", self.shape)))
     grad_x = grad_y = None
     if self.needs_input_grad[0]:
-      grad_x = _sum_to_shape(_mul(self.y, grad), self.x_rows_shape).reshape(self.x_shape)
+      grad_x = composed_view(_sum_to_shape(_mul(self.y, grad), self.x_rows_shape),
+                             (("reshape", self.x_shape), *x_moves))
     if self.needs_input_grad[1]:
-      grad_y = _sum_to_shape(_mul(self.x, grad), self.y_columns_shape).reshape(self.y_transposed_shape)
+      grad_y = composed_view(_sum_to_shape(_mul(self.x, grad), self.y_columns_shape),
+                             (("reshape", self.y_transposed_shape), *y_moves))
     return grad_x, grad_y
 
 
@@ -633,8 +650,8 @@ class Linear(Matmul):
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:   # type: ignore[override]
     grad_bias = None
     if self.bias_shape is not None and self.needs_input_grad[2]: grad_bias = _sum_to_shape(grad_output, self.bias_shape)
-    grad_x, grad_weight = self._product_gradients(grad_output.reshape(self.shape[:-1]))
-    if grad_x is not None: grad_x = grad_x.reshape(self.input_shape)
+    grad_x, grad_weight = self._product_gradients(grad_output, (("reshape", self.shape[:-1]),),
+                                                  (("reshape", self.input_shape),), ())
     return (grad_x, grad_weight) if self.bias_shape is None else (grad_x, grad_weight, grad_bias)
 
 

@@ -495,19 +495,17 @@ class Tensor(CreationMixin, MovementMixin, IndexingMixin, ScatterMixin, Elementw
     order: list[F.Function] = []
     entered: set[F.Function] = set()   # (a Function hashes by identity)
     # a Function on the stack is to be entered; a 1-tuple holding one is to be emitted, its inputs all emitted
-    # (None, a leaf input's Function, and Functions entered already are skipped when popped: the inputs are pushed
-    # by one extend, in C, rather than tested one by one here)
+    # (Functions entered already are skipped when popped: the inputs are pushed by one extend, in C, rather than
+    # tested one by one here; so are the leaves' None, which the filter drops, also in C)
     stack: list[Any] = [self._ctx]
     while stack:
       item = stack.pop()
-      if item is None: continue
       if type(item) is tuple:
         order.append(item[0])
-        continue
-      if item in entered: continue
-      entered.add(item)
-      stack.append((item,))
-      stack.extend(item.parent_ctxs)
+      elif item not in entered:
+        entered.add(item)
+        stack.append((item,))
+        stack.extend(filter(None, item.parent_ctxs))
     return order
 
   def backward(self, gradient: Tensor | None = None) -> Tensor:
@@ -564,9 +562,17 @@ class Tensor(CreationMixin, MovementMixin, IndexingMixin, ScatterMixin, Elementw
       for parent, parent_ctx, needed, parent_grad in zip(ctx.parents, ctx.parent_ctxs, ctx.needs_input_grad,
                                                          input_grads):
         if parent_grad is None or not needed: continue
-        if parent_grad.shape != parent._lazydata.shape:
+        parent_lazy = parent._lazydata
+        if parent_grad.shape != parent_lazy.shape:
           raise AssertionError(f"grad shape {parent_grad.shape} != {parent.shape}")
-        parent_grad = _gradient_for(parent, parent_grad)
+        # the gradient as a value of its own on the parent's device(s): a computed gradient on the parent's single
+        # device as it is (checked here, without _own_value's call: every edge of every backward walk), one that is a
+        # buffer's memory as an identity op of it (`_own_value`)
+        if type(parent_grad) is LazyBuffer and type(parent_lazy) is LazyBuffer and \
+            parent_grad.device == parent_lazy.device:
+          grad_base = parent_grad._base or parent_grad   # (a LazyBuffer is always true)
+          if grad_base.realized is not None or grad_base.op is ASSIGN: parent_grad = _own_value(parent_grad)
+        else: parent_grad = _gradient_moved_for(parent, parent_grad)
         if parent_ctx is None:  # a leaf: its gradient is complete at the end of the walk
           known = found.get(id(parent))
           found[id(parent)] = (parent, parent_grad if known is None else _accumulate(known[1], parent_grad))
@@ -644,14 +650,10 @@ def _check_saved_values(ctx: F.Function) -> None:
                           f"pass; write it after backward(), or use a clone() in the forward")
 
 
-def _gradient_for(parent: Tensor, grad: Lazy) -> Lazy:
-  """A Function's gradient for its input `parent`, as a value of its own (`_own_value`) on the parent's device(s):
-  a Function may move data between devices (Shard)."""
-  parent_lazy = parent._lazydata
-  if type(grad) is LazyBuffer and type(parent_lazy) is LazyBuffer and grad.device == parent_lazy.device:
-    # (the common case, checked here without _own_value's call: a computed gradient on the parent's device)
-    base = grad._base if grad._base is not None else grad
-    return grad if base.realized is None and base.op is not ASSIGN else _own_value(grad)
+def _gradient_moved_for(parent: Tensor, grad: Lazy) -> Lazy:
+  """A Function's gradient for its input `parent` that is no single device's lazy buffer on the parent's device (a
+  Function may move data between devices: Shard), as a value of its own (`_own_value`) on the parent's device(s).
+  (The common case, a lazy buffer on the parent's device, is the backward walk's edge loop's.)"""
   return Tensor(_own_value(grad), device=parent.device, requires_grad=False).lazydata
 
 

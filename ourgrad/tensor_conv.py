@@ -2,13 +2,14 @@
 
 Everything is composed from Tensor operations (movement ops, elementwise math and reduces), so the results stay
 lazy, fuse into few kernels and get their gradients from the primitives' autograd. The centre of the module is
-`_pool`, a zero-copy *pooling view* that turns the last spatial dims of a tensor into (output position, window
-offset) pairs with only reshape/expand/shrink/pad/permute: a convolution is then a broadcast multiply with the
+`pool_windows` (tensor_windows.py), a zero-copy *pooling view* that turns the last spatial dims of a tensor into
+(output position, window offset) pairs with only reshape/expand/shrink/pad/permute, planned once per geometry and
+differentiated as one node: a convolution is then a broadcast multiply with the
 weight and one sum, which the scheduler fuses into a single reduce kernel (the bias add and an activation after
 it fuse into the same kernel). One implementation serves every number of spatial dims.
 A stride-1 convolution is one autograd node (`StrideOneConv`) whose backward is two convolution-shaped reduces (the
 input gradient as a transposed convolution, the weight gradient), forward and backward built on lazy buffers by the
-same helpers (`_conv_sum`, `_product_sum`); other strides differentiate through the view.
+same helpers (`_conv_sum`, `_product_sum`); other strides differentiate through the view (`MovedView`).
 
 Semantics follow torch.nn.functional: channels-first layout (N, C, *spatial), weights (C_out, C_in / groups, *k)
 for convolutions and (C_in, C_out / groups, *k) for transposed ones, int-or-tuple arguments, floor
@@ -19,23 +20,27 @@ Tensor class: the methods only call other Tensor methods on `self` and on their 
 """
 from __future__ import annotations
 
+import functools
 import math
 from numbers import Integral
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes, operands_dtype
 from ourgrad.errors import ShapeError
 from ourgrad.function import Function, MaxToOne, _mul
-from ourgrad.helpers import normalize_axis, register_cache_clearer
+from ourgrad.helpers import normalize_axis
 from ourgrad.lazy import LazyBuffer
 from ourgrad.mixed_precision import CastPolicy, autocast_op
 from ourgrad.ops import SUM
+from ourgrad.lazy_moves import composed_view
+from ourgrad.tensor_windows import pool_windows, window_ranks
 
 
 if TYPE_CHECKING:
   from ourgrad.tensor import Tensor
 
+T = TypeVar("T")
 IntOrTuple = int | Sequence[int]
 Padding = int | Sequence[int] | Sequence[tuple[int, int]] | str
 
@@ -53,56 +58,20 @@ def _positive(values: tuple[int, ...], name: str) -> None:
   if any(v <= 0 for v in values): raise ValueError(f"{name} must be positive, got {values}")
 
 
-def _pool(x: Tensor | LazyBuffer, kernel: tuple[int, ...], stride: tuple[int, ...],
-          dilation: tuple[int, ...]) -> Tensor | LazyBuffer:
-  """Windows of the last len(kernel) dims of x, as a view: (..., i1, i2) -> (..., o1, o2, k1, k2) with
-  result[..., a, b, p, q] = x[..., a*s1 + p*d1, b*s2 + q*d2] and o = floor((i - d*(k-1) - 1) / s) + 1.
+def _remembered(function: Callable[..., T]) -> Callable[..., T]:
+  """`function`, a pure function of shapes and arguments that plans a convolution's or a pooling's movement ops,
+  remembered per arguments (bounded): every step of a training run asks for the same few plans, and their tuple
+  arithmetic (a generator frame per tuple) cost more than the ops they plan. Arguments that do not hash (a list of
+  pads) are planned at each call."""
+  cached = functools.lru_cache(maxsize=512)(function)
 
-  Nothing is copied: the window is built from movement ops only, so a consumer (a conv's multiply-and-sum, a
-  pool's max) reads x directly through the composed index expression. The caller pads x beforehand.
-  x is a Tensor (a max pool, differentiable) or a lazy buffer (a stride-1 conv's forward, whose Function needs no
-  autograd of the view): only movement ops with explicit tuple arguments, which both take."""
-  spatial = len(kernel)
-  batch, sizes = x.shape[:-spatial], x.shape[-spatial:]
-  for k, d, i in zip(kernel, dilation, sizes):
-    if d * (k - 1) + 1 > i:
-      raise ShapeError(f"kernel {kernel} with dilation {dilation} is larger than the (padded) input {sizes} "
-                       f"of shape {x.shape}")
-  outs = tuple((i - d * (k - 1) - 1) // s + 1 for i, k, s, d in zip(sizes, kernel, stride, dilation))
-  keep = tuple((0, size) for size in batch)
-
-  if all(k <= s for k, s in zip(kernel, stride)) and all(d == 1 for d in dilation):
-    # Windows do not overlap: pad/crop each dim to o*s, split it into (o, s) and keep the first k of each s.
-    x = x.pad(((0, 0),) * len(batch) + tuple((0, o * s - i) for i, o, s in zip(sizes, outs, stride)))
-    x = x.reshape(batch + tuple(size for o, s in zip(outs, stride) for size in (o, s)))
-    x = x.shrink(keep + tuple(bound for o, k in zip(outs, kernel) for bound in ((0, o), (0, k))))
-    order = (*range(len(batch)), *(len(batch) + 2 * a for a in range(spatial)),
-             *(len(batch) + 2 * a + 1 for a in range(spatial)))
-    return x.permute(order)
-
-  # Windows overlap (k > s) or are dilated. Along one dim of size i, tile x (expand a new axis, merge it) so
-  # y[j] = x[j mod i], and reshape a prefix of y into rows of length L = i*f + d: row p, column c holds
-  # x[(p*L + c) mod i] = x[(p*d + c) mod i], i.e. each row starts d elements (one dilation step) after the previous
-  # one. Column c = a*s is then output position a, and for valid (a, p) the index a*s + p*d < i, so the mod never
-  # wraps. f is the smallest whole number of tiles that makes a row long enough to hold the o*s columns we split
-  # off. The index math of the composed view folds back to plain a*s + p*d (no div/mod in the kernel).
-  rows = [i * max(0, math.ceil((o * s - d) / i)) + d for i, o, s, d in zip(sizes, outs, stride, dilation)]
-  tiles = [math.ceil(k * row / i) for k, row, i in zip(kernel, rows, sizes)]
-  x = x.reshape(batch + tuple(size for i in sizes for size in (1, i)))
-  x = x.expand(batch + tuple(size for r, i in zip(tiles, sizes) for size in (r, i)))
-  x = x.reshape(batch + tuple(r * i for r, i in zip(tiles, sizes)))
-  # rows of length L, one per kernel offset p: (k, L)
-  x = x.shrink(keep + tuple((0, k * row) for k, row in zip(kernel, rows)))
-  x = x.reshape(batch + tuple(size for k, row in zip(kernel, rows) for size in (k, row)))
-  # the first o*s columns, split into (o, s); column 0 of each stride step is output position a: (k, o, s)
-  x = x.shrink(keep + tuple(bound for k, o, s in zip(kernel, outs, stride) for bound in ((0, k), (0, o * s))))
-  x = x.reshape(batch + tuple(size for k, o, s in zip(kernel, outs, stride) for size in (k, o, s)))
-  x = x.shrink(keep + tuple(bound for k, o in zip(kernel, outs) for bound in ((0, k), (0, o), (0, 1))))
-  x = x.reshape(batch + tuple(size for k, o in zip(kernel, outs) for size in (k, o)))
-  # (..., k1, o1, k2, o2) -> (..., o1, o2, k1, k2): output positions first, window offsets last
-  order = (*range(len(batch)), *(len(batch) + 2 * a + 1 for a in range(spatial)),
-           *(len(batch) + 2 * a for a in range(spatial)))
-  return x.permute(order)
+  @functools.wraps(function)
+  def plan(*args: Any) -> T:
+    try:
+      return cached(*args)
+    except TypeError:   # (an unhashable argument; a TypeError of the function itself is raised again here)
+      return function(*args)
+  return plan
 
 
 def _pooled_size(size: int, kernel: int, stride: int, pad: int, dilation: int, ceil_mode: bool) -> int:
@@ -134,73 +103,11 @@ def unfold_patches(x: Tensor, kernel_size: IntOrTuple, dilation: IntOrTuple = 1,
   _positive(dilations, "unfold dilation")
   if any(p < 0 for p in pads): raise ValueError(f"unfold padding must be >= 0, got {pads}")
   padded = x.pad([None] * (x.ndim - 2) + [(p, p) for p in pads])
-  windows = _pool(padded, kernel, strides, dilations)  # (..., C, oH, oW, kH, kW)
+  windows = pool_windows(padded, kernel, strides, dilations)  # (..., C, oH, oW, kH, kW)
   lead = x.ndim - 3
   channels, (out_h, out_w) = x.shape[-3], windows.shape[-4:-2]
   columns = windows.permute(*range(lead + 1), lead + 3, lead + 4, lead + 1, lead + 2)
   return columns.reshape(*x.shape[:-3], channels * kernel[0] * kernel[1], out_h * out_w)
-
-
-# (device, the input's batch dims and spatial shape, the windows' shape, the pooling arguments) -> the ranks
-# `_build_window_ranks` made for them, a lazy graph of constants only (nothing loaded): every max pooling of every
-# training step rebuilt the same twenty-odd constant ops (a tenth of the MNIST CNN step's graph building)
-_WINDOW_RANKS: dict[tuple, LazyBuffer] = {}
-_WINDOW_RANKS_MAX = 64
-register_cache_clearer(_WINDOW_RANKS.clear)
-
-
-def _window_ranks(x: Tensor, windows_shape: tuple[int, ...], pads: tuple[int, ...], kernel: tuple[int, ...],
-                  stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
-  """`_build_window_ranks`, remembered per device and geometry while the graph it made stays lazy."""
-  batch = x.ndim - len(kernel)
-  key = (x.device, batch, x.shape[batch:], windows_shape, pads, kernel, stride, dilation)
-  try:
-    cached = _WINDOW_RANKS.get(key)
-  except TypeError:   # an unhashable argument (a list): not remembered
-    return _build_window_ranks(x, windows_shape, pads, kernel, stride, dilation)
-  # a value is never stale (constants), but a schedule may have realized a base of it: that buffer's memory may have
-  # been planned for reuse within its schedule, so only a graph with no realized base is read again
-  if cached is not None and _never_realized(cached): return type(x)(cached)
-  ranks = _build_window_ranks(x, windows_shape, pads, kernel, stride, dilation)
-  if type(ranks.lazydata) is LazyBuffer and _never_realized(ranks.lazydata):
-    if len(_WINDOW_RANKS) >= _WINDOW_RANKS_MAX: _WINDOW_RANKS.pop(next(iter(_WINDOW_RANKS)))  # oldest first
-    _WINDOW_RANKS[key] = ranks.lazydata
-  return ranks
-
-
-def _never_realized(lazy: LazyBuffer) -> bool:
-  """Whether no base of the graph behind `lazy` has a buffer (the graph is still only a description)."""
-  stack, seen = [lazy.base], set()
-  while stack:
-    base = stack.pop()
-    if base.realized is not None or base.forced_realize: return False
-    for src in base.srcs:
-      if id(src.base) not in seen:
-        seen.add(id(src.base))
-        stack.append(src.base)
-  return True
-
-
-def _build_window_ranks(x: Tensor, windows_shape: tuple[int, ...], pads: tuple[int, ...], kernel: tuple[int, ...],
-                        stride: tuple[int, ...], dilation: tuple[int, ...]) -> Tensor:
-  """For the pooling windows (`windows_shape`, `_pool`'s layout) of `x` padded by `pads`, a rank of each window
-  element: K down to 1 in the window's row-major order (K elements), 0 where the element is padding. Built from
-  constants padded into place and expanded before any arithmetic, so kernels compute it from their indices: nothing
-  is loaded or realized. float32 (exact: K < 2**24), as the values beside it: an int32 key made CLANG's reduce of it
-  several times slower."""
-  Tensor = type(x)  # noqa: N806 (the concrete class; this module never imports it)
-  spatial, batch = len(kernel), x.ndim - len(kernel)
-  leading = (1,) * (len(windows_shape) - spatial)
-  rank = Tensor.full(windows_shape, 1, dtypes.float32, device=x.device)
-  for axis, size in enumerate(kernel):
-    weight = math.prod(kernel[axis + 1:])   # offset i along `axis` counts (size - 1 - i) * weight
-    for i in range(size - 1):
-      one_hot = Tensor.full((1,) * spatial, (size - 1 - i) * weight, dtypes.float32, device=x.device)
-      one_hot = one_hot.pad([(i, size - 1 - i) if a == axis else (0, 0) for a in range(spatial)])
-      rank = rank + one_hot.reshape(leading + one_hot.shape).expand(windows_shape)
-  inside = Tensor.full(x.shape[batch:], True, dtypes.bool, device=x.device).pad([(p, p) for p in pads])
-  inside = _pool(inside.reshape((1,) * batch + inside.shape), kernel, stride, dilation).expand(windows_shape)
-  return inside.where(rank, 0)
 
 
 def _check_rank(x: Tensor, name: str, ranks: tuple[int, ...]) -> None:
@@ -253,6 +160,17 @@ def conv_padding(name: str, padding: Padding, kernel: tuple[int, ...], strides: 
                    f"side, last dim first) or {dims} (before, after) pairs")
 
 
+@_remembered
+def _conv_arguments(name: str, stride: IntOrTuple, padding: Padding, dilation: IntOrTuple,
+                    kernel: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...]]:
+  """A convolution's strides, (before, after) pads per spatial dim and dilations, checked, from its arguments."""
+  dims = len(kernel)
+  strides, dilations = _tuple(stride, dims, "stride"), _tuple(dilation, dims, "dilation")
+  _positive(strides, f"{name} stride")
+  _positive(dilations, f"{name} dilation")
+  return strides, tuple(conv_padding(name, padding, kernel, strides, dilations)), dilations
+
+
 def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, strides: tuple[int, ...], pads: list[tuple[int, int]],
           dilations: tuple[int, ...], groups: int, name: str) -> Tensor:
   """Convolution of a batched (N, C, *spatial) x with explicit (before, after) padding per spatial dim."""
@@ -271,14 +189,9 @@ def _conv(x: Tensor, weight: Tensor, bias: Tensor | None, strides: tuple[int, ..
 
 def _conv_windows(x: Tensor | LazyBuffer, kernel: tuple[int, ...], strides: tuple[int, ...],
                   pads: Sequence[tuple[int, int]], dilations: tuple[int, ...]) -> Tensor | LazyBuffer:
-  """The pooling view (N, C, *out, *kernel) of x (a Tensor or a lazy buffer, as `_pool`) padded by `pads`: what a
-  convolution multiplies by its weight."""
-  # a negative pad crops: a shrink first, then the padding (a lazy buffer's pad takes no negative sides)
-  sizes = x.shape[2:]
-  x = x.shrink(((0, x.shape[0]), (0, x.shape[1]), *((max(0, -before), size - max(0, -after))
-                                                    for (before, after), size in zip(pads, sizes))))
-  x = x.pad(((0, 0), (0, 0), *((max(0, before), max(0, after)) for before, after in pads)))
-  return _pool(x, kernel, strides, dilations)
+  """The pooling view (N, C, *out, *kernel) of x (a Tensor or a lazy buffer, as `pool_windows`) padded by `pads` (a
+  negative amount crops): what a convolution multiplies by its weight."""
+  return pool_windows(x, kernel, strides, dilations, tuple(tuple(pair) for pair in pads))
 
 
 def _conv_sum(x: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, strides: tuple[int, ...],
@@ -286,19 +199,28 @@ def _conv_sum(x: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, strides: tupl
               windows: Tensor | LazyBuffer | None = None) -> Tensor | LazyBuffer:
   """The convolution as one multiply-and-sum over a pooling view of the padded x (no bias); `windows`: that view,
   made already (`_conv_windows`). Tensors (differentiated through the view) or lazy buffers (StrideOneConv's
-  backward), as `_pool`."""
-  batch, dims = x.shape[0], len(weight.shape) - 2
-  out_channels, group_channels, kernel = weight.shape[0], weight.shape[1], tuple(weight.shape[2:])
-  if windows is None: windows = _conv_windows(x, kernel, strides, pads, dilations)   # a view of x
-  outs = tuple(windows.shape[2:2 + dims])
-  per_group = out_channels // groups
+  backward), as `pool_windows`."""
+  if windows is None: windows = _conv_windows(x, tuple(weight.shape[2:]), strides, pads, dilations)   # a view of x
+  grouped, order, lined_up, weight_shape, axes, out_shape = _conv_sum_plan(tuple(weight.shape), tuple(windows.shape),
+                                                                           groups)
+  windows = composed_view(windows, (("reshape", grouped), ("permute", order), ("reshape", lined_up)))
+  return _product_sum(windows, weight.reshape(weight_shape), axes).reshape(out_shape)
+
+
+@_remembered
+def _conv_sum_plan(weight_shape: tuple[int, ...], windows_shape: tuple[int, ...], groups: int) -> tuple:
+  """`_conv_sum`'s shapes: the windows (N, C, *out, *kernel) regrouped, permuted and lined up with the weight
+  reshaped, the reduced axes and the output shape."""
+  batch, dims = windows_shape[0], len(weight_shape) - 2
+  out_channels, group_channels, kernel = weight_shape[0], weight_shape[1], weight_shape[2:]
+  outs = windows_shape[2:2 + dims]
   # (N, groups, 1, *out, C/groups, *kernel) * (1, groups, C_out/groups, 1..., C/groups, *kernel), summed over the
   # last 1 + dims axes: the reduce axes come last, so the product is never stored and the sum is one kernel.
-  windows = windows.reshape((batch, groups, group_channels, *outs, *kernel))
-  windows = windows.permute((0, 1, *range(3, 3 + dims), 2, *range(3 + dims, 3 + 2 * dims)))
-  windows = windows.reshape((batch, groups, 1, *outs, group_channels, *kernel))
-  weight = weight.reshape((1, groups, per_group, *([1] * dims), group_channels, *kernel))
-  return _product_sum(windows, weight, tuple(range(-1 - dims, 0))).reshape((batch, out_channels, *outs))
+  return ((batch, groups, group_channels, *outs, *kernel),
+          (0, 1, *range(3, 3 + dims), 2, *range(3 + dims, 3 + 2 * dims)),
+          (batch, groups, 1, *outs, group_channels, *kernel),
+          (1, groups, out_channels // groups, *([1] * dims), group_channels, *kernel),
+          tuple(range(-1 - dims, 0)), (batch, out_channels, *outs))
 
 
 def _product_sum(a: Tensor | LazyBuffer, b: Tensor | LazyBuffer, axes: tuple[int, ...]) -> Tensor | LazyBuffer:
@@ -309,13 +231,18 @@ def _product_sum(a: Tensor | LazyBuffer, b: Tensor | LazyBuffer, axes: tuple[int
   if a.dtype != b.dtype:
     dtype = operands_dtype([a.dtype, b.dtype])
     a, b = a.cast(dtype), b.cast(dtype)
-  shape = tuple(size_a if size_b == 1 else size_b for size_a, size_b in zip(a.shape, b.shape))
+  shape, reduce_axes, kept = _product_sum_plan(a.shape, b.shape, axes)
   product = _mul(a.expand(shape), b.expand(shape))
   accumulate = dtypes.float32 if product.dtype in (dtypes.float16, dtypes.bfloat16) else product.dtype
+  return product.cast(accumulate).reduce(SUM, reduce_axes).reshape(kept).cast(product.dtype)
+
+
+@_remembered
+def _product_sum_plan(a_shape: tuple[int, ...], b_shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple:
+  """`_product_sum`'s shapes: the broadcast shape, the reduced axes (positive) and the shape kept."""
+  shape = tuple(size_a if size_b == 1 else size_b for size_a, size_b in zip(a_shape, b_shape))
   reduce_axes = tuple(normalize_axis(axis, len(shape)) for axis in axes)
-  summed = product.cast(accumulate).reduce(SUM, reduce_axes)
-  kept = tuple(size for axis, size in enumerate(shape) if axis not in reduce_axes)
-  return summed.reshape(kept).cast(product.dtype)
+  return shape, reduce_axes, tuple(size for axis, size in enumerate(shape) if axis not in reduce_axes)
 
 
 def _weight_gradient(windows: Tensor | LazyBuffer, grad: Tensor | LazyBuffer, kernel: tuple[int, ...],
@@ -323,17 +250,27 @@ def _weight_gradient(windows: Tensor | LazyBuffer, grad: Tensor | LazyBuffer, ke
   """d(stride-1 conv)/d(weight): sum over the batch and output positions of the `windows` of x (the forward's
   `_conv_windows`, (N, C, *out, *kernel)) times the output gradient; (C_out, C_in / groups, *kernel). One reduce
   kernel, as the forward."""
-  batch, channels, dims = windows.shape[0], windows.shape[1], len(kernel)
-  out_channels, outs = grad.shape[1], tuple(grad.shape[2:])
-  group_channels, per_group = channels // groups, out_channels // groups
-  windows = windows.reshape((batch, groups, 1, group_channels, *outs, *kernel))
-  grad = grad.reshape((batch, groups, per_group, 1, *outs, *([1] * dims)))
+  windows_shape, grad_shape, order, axes, out_shape = _weight_gradient_plan(tuple(windows.shape), tuple(grad.shape),
+                                                                            kernel, groups)
   # the reduce axes (batch, output positions) moved last, so the sum is one kernel with no stored product; the
   # operands are permuted, not the product, so the reduce reads its MUL base directly and the lazy layer sees a
   # matmul-like reduce (split-K on GPUs, lazy_reduce._matmul_like_reduce)
-  order = (1, 2, 3, *range(4 + dims, 4 + 2 * dims), 0, *range(4, 4 + dims))
-  product_sum = _product_sum(windows.permute(order), grad.permute(order), tuple(range(-1 - dims, 0)))
-  return product_sum.reshape((out_channels, group_channels, *kernel))
+  product_sum = _product_sum(composed_view(windows, (("reshape", windows_shape), ("permute", order))),
+                             composed_view(grad, (("reshape", grad_shape), ("permute", order))), axes)
+  return product_sum.reshape(out_shape)
+
+
+@_remembered
+def _weight_gradient_plan(windows_shape: tuple[int, ...], grad_shape: tuple[int, ...], kernel: tuple[int, ...],
+                          groups: int) -> tuple:
+  """`_weight_gradient`'s shapes: the windows and the gradient regrouped, the order that puts the reduced axes last,
+  the reduced axes and the weight's shape."""
+  batch, channels, dims = windows_shape[0], windows_shape[1], len(kernel)
+  out_channels, outs = grad_shape[1], grad_shape[2:]
+  group_channels, per_group = channels // groups, out_channels // groups
+  return ((batch, groups, 1, group_channels, *outs, *kernel), (batch, groups, per_group, 1, *outs, *([1] * dims)),
+          (1, 2, 3, *range(4 + dims, 4 + 2 * dims), 0, *range(4, 4 + dims)), tuple(range(-1 - dims, 0)),
+          (out_channels, group_channels, *kernel))
 
 
 def _input_gradient(grad: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, input_shape: tuple[int, ...],
@@ -341,12 +278,9 @@ def _input_gradient(grad: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, inpu
   """d(stride-1 conv)/d(input): the transposed convolution of the output gradient (a convolution with the flipped,
   regrouped weight, padded by dilation*(k-1) on each side), then the input's padding taken back off. One reduce
   kernel shaped like the forward, instead of every window's gradient stored and summed back (col2im)."""
-  kernel, dims = weight.shape[2:], len(weight.shape) - 2
-  padded = [size + before + after for size, (before, after) in zip(input_shape[2:], pads)]
-  # rows of the padded input past the last window get no gradient: pad the transposed conv's output up to them
-  used = [out + d * (k - 1) for out, k, d in zip(grad.shape[2:], kernel, dilations)]
-  transposed_pads = ((0, 0), (0, 0), *((d * (k - 1), d * (k - 1) + size - reach)
-                                       for k, d, size, reach in zip(kernel, dilations, padded, used)))
+  dims = len(weight.shape) - 2
+  transposed_pads, crop, uncrop = _input_gradient_plan(tuple(weight.shape), tuple(input_shape), tuple(grad.shape),
+                                                       tuple(pads), dilations)
   flipped = _transposed_weight(weight, groups)
   # the gradient is stored once, so that the convolution does not recompute its producer (a batchnorm backward) for
   # every tap of the window; on the CPU padded (a copy the size of the padded gradient: the convolution then reads it
@@ -354,12 +288,27 @@ def _input_gradient(grad: Tensor | LazyBuffer, weight: Tensor | LazyBuffer, inpu
   # convolution's loads are masked at the padding)
   if store_padded_gradient(grad.device): grad = grad.pad(transposed_pads).contiguous()
   else: grad = grad.contiguous().pad(transposed_pads)
-  grad_padded = _conv_sum(grad, flipped, (1,) * dims, [(0, 0)] * dims, dilations, groups)
+  grad_padded = _conv_sum(grad, flipped, (1,) * dims, ((0, 0),) * dims, dilations, groups)
   # the input's padding taken back off (and the part a negative padding cropped put back as zeros)
-  batch_channels = ((0, grad_padded.shape[0]), (0, grad_padded.shape[1]))
-  cropped = grad_padded.shrink((*batch_channels, *((max(0, before), size - max(0, after))
-                                                   for (before, after), size in zip(pads, grad_padded.shape[2:]))))
-  return cropped.pad(((0, 0), (0, 0), *((max(0, -before), max(0, -after)) for before, after in pads)))
+  return grad_padded.shrink(crop).pad(uncrop)
+
+
+@_remembered
+def _input_gradient_plan(weight_shape: tuple[int, ...], input_shape: tuple[int, ...], grad_shape: tuple[int, ...],
+                         pads: tuple[tuple[int, int], ...], dilations: tuple[int, ...]) -> tuple:
+  """`_input_gradient`'s movement arguments: the output gradient's padding for the transposed convolution, then the
+  crop of the input's padding and the zeros put back where a negative padding cropped the input."""
+  kernel = weight_shape[2:]
+  padded = [size + before + after for size, (before, after) in zip(input_shape[2:], pads)]
+  # rows of the padded input past the last window get no gradient: pad the transposed conv's output up to them
+  used = [out + d * (k - 1) for out, k, d in zip(grad_shape[2:], kernel, dilations)]
+  transposed_pads = ((0, 0), (0, 0), *((d * (k - 1), d * (k - 1) + size - reach)
+                                       for k, d, size, reach in zip(kernel, dilations, padded, used)))
+  # (the transposed convolution's output is the padded input's shape)
+  crop = ((0, input_shape[0]), (0, input_shape[1]),
+          *((max(0, before), size - max(0, after)) for (before, after), size in zip(pads, padded)))
+  uncrop = ((0, 0), (0, 0), *((max(0, -before), max(0, -after)) for before, after in pads))
+  return transposed_pads, crop, uncrop
 
 
 def store_padded_gradient(device: str) -> bool:
@@ -452,6 +401,24 @@ def fold_patches(x: Tensor, output_size: IntOrTuple, kernel_size: IntOrTuple, di
   return image if x.ndim == 3 else image.squeeze(0)
 
 
+@_remembered
+def _pool_arguments(name: str, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None, padding: IntOrTuple,
+                    dilation: IntOrTuple) -> tuple[tuple[int, ...], ...]:
+  """A pooling's kernel, strides, pads and dilations per spatial dim, checked, from its arguments."""
+  kernel = _tuple(kernel_size, dims, "kernel_size")
+  # an empty stride (torch's default `stride=[]`) also means "stride = kernel_size"
+  strides = kernel if stride is None or (not isinstance(stride, Integral) and len(stride) == 0) \
+    else _tuple(stride, dims, "stride")
+  pads, dilations = _tuple(padding, dims, "padding"), _tuple(dilation, dims, "dilation")
+  _positive(kernel, f"{name} kernel_size")
+  _positive(strides, f"{name} stride")
+  _positive(dilations, f"{name} dilation")
+  # as in PyTorch: a window must never lie entirely in the padding
+  if any(not 0 <= p <= k // 2 for p, k in zip(pads, kernel)):
+    raise ValueError(f"{name}: padding {pads} must be >= 0 and at most half of kernel_size {kernel}")
+  return kernel, strides, pads, dilations
+
+
 class ConvMixin:
   """Tensor methods for convolutions and pooling over 1, 2 or 3 spatial dimensions."""
   __slots__ = ()
@@ -468,10 +435,7 @@ class ConvMixin:
     if self.ndim == dims + 1:  # unbatched input
       return self.unsqueeze(0)._convolve(dims, weight, bias, stride, padding, dilation, groups).squeeze(0)
     _check_conv(name, self, weight, bias, weight.shape[1] * groups, weight.shape[0], groups)
-    strides, dilations = _tuple(stride, dims, "stride"), _tuple(dilation, dims, "dilation")
-    _positive(strides, f"{name} stride")
-    _positive(dilations, f"{name} dilation")
-    pads = conv_padding(name, padding, weight.shape[2:], strides, dilations)
+    strides, pads, dilations = _conv_arguments(name, stride, padding, dilation, weight.shape[2:])
     return _conv(self, weight, bias, strides, pads, dilations, groups, name)
 
   @autocast_op(CastPolicy.LOWER)
@@ -562,35 +526,24 @@ class ConvMixin:
   def _pool_args(self: Tensor, name: str, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
                  padding: IntOrTuple, dilation: IntOrTuple) -> tuple[tuple[int, ...], ...]:
     _check_rank(self, name, (dims + 1, dims + 2))
-    kernel = _tuple(kernel_size, dims, "kernel_size")
-    # an empty stride (torch's default `stride=[]`) also means "stride = kernel_size"
-    strides = kernel if stride is None or (not isinstance(stride, Integral) and len(stride) == 0) \
-      else _tuple(stride, dims, "stride")
-    pads, dilations = _tuple(padding, dims, "padding"), _tuple(dilation, dims, "dilation")
-    _positive(kernel, f"{name} kernel_size")
-    _positive(strides, f"{name} stride")
-    _positive(dilations, f"{name} dilation")
-    # as in PyTorch: a window must never lie entirely in the padding
-    if any(not 0 <= p <= k // 2 for p, k in zip(pads, kernel)):
-      raise ValueError(f"{name}: padding {pads} must be >= 0 and at most half of kernel_size {kernel}")
-    return kernel, strides, pads, dilations
+    return _pool_arguments(name, dims, kernel_size, stride, padding, dilation)
 
   def _avg_pool(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
                 padding: IntOrTuple) -> Tensor:
     kernel, strides, pads, _ = self._pool_args(f"avg_pool{dims}d", dims, kernel_size, stride, padding, 1)
     padded = self.pad([None] * (self.ndim - dims) + [(p, p) for p in pads])
-    return _pool(padded, kernel, strides, (1,) * dims).mean(tuple(range(-dims, 0)))
+    return pool_windows(padded, kernel, strides, (1,) * dims).mean(tuple(range(-dims, 0)))
 
   def _max_pool(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None, padding: IntOrTuple,
                 dilation: IntOrTuple) -> Tensor:
     kernel, strides, pads, dilations = self._pool_args(f"max_pool{dims}d", dims, kernel_size, stride, padding,
                                                        dilation)
     padded = self.pad([None] * (self.ndim - dims) + [(p, p) for p in pads], value=self.dtype.min)
-    windows = _pool(padded, kernel, strides, dilations)
+    windows = pool_windows(padded, kernel, strides, dilations)
     axes = tuple(range(windows.ndim - dims, windows.ndim))
     if not self.requires_grad or type(self).no_grad: return windows.max(axes)
     # the gradient goes to one maximum per window, as in PyTorch: ranks order the window's elements
-    ranks = _window_ranks(self, windows.shape, pads, kernel, strides, dilations)
+    ranks = window_ranks(self, windows.shape, pads, kernel, strides, dilations)
     return MaxToOne.apply(windows, ranks, axes=axes).reshape(windows.shape[:-dims])
 
   def _avg_pool_options(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
@@ -611,10 +564,10 @@ class ConvMixin:
     lead = [None] * (self.ndim - dims)
     padded = self.pad(lead + [(p, p + e) for p, e in zip(pads, extra)])
     window_axes = tuple(range(-dims, 0))
-    total = _pool(padded, kernel, strides, dilations).sum(window_axes)
+    total = pool_windows(padded, kernel, strides, dilations).sum(window_axes)
     if divisor_override is not None: return total / divisor_override
     counted = Tensor.ones(*sizes, device=self.device).pad([(p, p) for p in pads], value=float(count_include_pad))
-    counts = _pool(counted.pad([(0, e) for e in extra]), kernel, strides, dilations).sum(window_axes)
+    counts = pool_windows(counted.pad([(0, e) for e in extra]), kernel, strides, dilations).sum(window_axes)
     return total / counts
 
   def _max_pool_options(self: Tensor, dims: int, kernel_size: IntOrTuple, stride: IntOrTuple | None,
@@ -630,13 +583,14 @@ class ConvMixin:
     outs = [_pooled_size(i, k, s, p, d, ceil_mode) for i, k, s, p, d in zip(sizes, kernel, strides, pads, dilations)]
     extra = _ceil_extra(sizes, outs, kernel, strides, pads, dilations)
     sides = [(p, p + e) for p, e in zip(pads, extra)]
-    windows = _pool(self.pad([None] * (self.ndim - dims) + sides, value=self.dtype.min), kernel, strides, dilations)
+    padded = self.pad([None] * (self.ndim - dims) + sides, value=self.dtype.min)
+    windows = pool_windows(padded, kernel, strides, dilations)
     values = windows.max(tuple(range(-dims, 0)))
     if not return_indices: return values
     plane = math.prod(sizes)
     # each place's flat position in its plane, the padding past every real one so that it never wins a tie
     positions = Tensor.arange(plane, device=self.device).reshape(*sizes).pad(sides, value=plane)
-    position_windows = _pool(positions, kernel, strides, dilations).flatten(-dims)
+    position_windows = pool_windows(positions, kernel, strides, dilations).flatten(-dims)
     is_max = windows.detach().flatten(-dims) == values.detach().unsqueeze(-1)
     indices = is_max.where(position_windows, plane).min(-1)
     return values, indices.cast(dtypes.int64)
@@ -755,5 +709,5 @@ class ConvMixin:
     if step <= 0: raise ValueError(f"unfold step must be positive, got {step}")
     if not 0 < size <= self.shape[axis]:
       raise ShapeError(f"unfold size {size} must be in [1, {self.shape[axis]}] (dim {axis} of shape {self.shape})")
-    windows = _pool(self.movedim(axis, -1), (size,), (step,), (1,))  # (..., count, size)
+    windows = pool_windows(self.movedim(axis, -1), (size,), (step,), (1,))  # (..., count, size)
     return windows.movedim(-2, axis)

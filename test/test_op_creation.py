@@ -110,8 +110,9 @@ def _lazy_pair(device: str | None = None) -> tuple[LazyBuffer, LazyBuffer]:
   # Session 21: Function.apply reads one or two inputs without map's C calls (+14 bytecodes for a binary op, ~4,800
   # fewer machine instructions: extra/bench/op_instructions.py); x1 + 1 of a one-element tensor 711 -> 545 (its
   # constant shared)
-  # Session 22 (eager_ops): x * y of a tensor that needs a gradient +4 (the no-gradient test before tensor_math's direct path,
-  # Function.apply's bookkeeping in a call: only for a Function it keeps); x.sum(1) 907 -> 814 (axes remembered)
+  # Session 22 (eager_ops): x * y of a tensor that needs a gradient +4 (the no-gradient test before tensor_math's
+  # direct path, Function.apply's bookkeeping in a call: only for a Function it keeps); x.sum(1) 907 -> 814 (axes
+  # remembered)
   # Session 22 (eager_tok): each base writes its creation-trace tokens as it is made (lazy_trace.py), the work the
   # realize's describe did at ~124 bytecodes a base: +25-135 here, describe's per-base cost at the realize ~0
   ("x * y", lambda x, y, a, b: x * y, 625),

@@ -6,16 +6,23 @@ Printed: thread CPU time per step (time.thread_time: waiting for one of a shared
 best of `--rounds` runs of `--steps` steps, and the bytecodes one step executes (sys.settrace's opcode events:
 deterministic, comparable across runs of a loaded machine).
 
+With `--parts`, also the bytecodes of each line of `train_step` (the upload, zero_grad, the forward, the loss, the
+accuracy, backward, the optimizer's updates with the realize, the two reads): each opcode counted for the line the
+step was on when it ran (deterministic: compare a change's parts with the base tree's).
+
 Run: `python extra/bench/bench_mnist_step.py` (CLANG, batch 256, the small model: the example's defaults).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
+import inspect
 import os
 import pathlib
 import sys
 import time
+from typing import Any, Callable
 
 import numpy as np
 
@@ -30,6 +37,28 @@ from ourgrad.nn.optim import Adam  # noqa: E402
 from ourgrad.nn.state import get_parameters  # noqa: E402
 
 
+def bytecodes_by_line(call: Callable[[], Any], function: Callable[..., Any]) -> dict[int, int]:
+  """Bytecodes `call()` executes, by the line of `function` (a function it calls once) that was running: each opcode
+  counts for the line `function`'s frame was last seen on (before its first line: key 0)."""
+  code, counts, line = function.__code__, collections.Counter(), [0]
+
+  def note(frame: Any) -> bool:
+    if frame.f_code is code: line[0] = frame.f_lineno
+    counts[line[0]] += 1
+    return True
+  bytecodes(call, note)
+  return dict(counts)
+
+
+def print_parts(counts: dict[int, int], function: Callable[..., Any]) -> None:
+  """The per-line counts of `bytecodes_by_line` with each line's source."""
+  lines, first = inspect.getsourcelines(function)
+  print("| bytecodes | line of train_step |")
+  for number, count in sorted(counts.items()):
+    text = lines[number - first].strip() if number >= first else "(before the step's first line)"
+    print(f"| {count:9} | {text[:100]} |")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--device", default="CLANG")
@@ -37,6 +66,7 @@ def main() -> None:
   parser.add_argument("--model", default="small")
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--parts", action="store_true", help="also the bytecodes of each line of train_step")
   args = parser.parse_args()
   device = Device.canonicalize(args.device)
   os.environ["DEVICE"] = device
@@ -59,8 +89,10 @@ def main() -> None:
       for _ in range(args.steps): step()
       best = min(best, (time.thread_time() - start) / args.steps)
     counted = bytecodes(step)
+    parts = bytecodes_by_line(step, mnist.train_step) if args.parts else None
   print(f"examples/mnist.py train_step on {device}, batch {args.batch}, model {args.model}, no-op kernels: "
         f"{best * 1e3:.3f} ms thread CPU per step (best of {args.rounds} x {args.steps}), {counted} bytecodes a step")
+  if parts is not None: print_parts(parts, mnist.train_step)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ those the Tensor formulas built, operation for operation, so they fuse as before
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from ourgrad.dtype import dtypes, least_upper_dtype
@@ -35,6 +36,7 @@ from ourgrad.lazy import LazyBuffer
 from ourgrad.multi import MultiLazyBuffer
 from ourgrad.ops import ADD, MAX, SUM
 from ourgrad.tensor import Tensor
+from ourgrad.lazy_moves import composed_view
 
 
 Lazy = LazyBuffer | MultiLazyBuffer
@@ -48,14 +50,23 @@ def channel_reduce_axes(ndim: int) -> tuple[int, ...]:
   return (0, *range(2, ndim))
 
 
+@functools.lru_cache(maxsize=256)
+def _channel_counts(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, tuple[tuple[int, int], ...]]:
+  """For an (N, C, ...) input's `shape`: the reduced axes, the count of values per channel, and the bounds of the
+  first sample of each channel (the shift's shrink). Remembered: every batchnorm of every step asks."""
+  axes = channel_reduce_axes(len(shape))
+  return (axes, math.prod(shape[axis] for axis in axes),
+          tuple((0, 1) if axis in axes else (0, size) for axis, size in enumerate(shape)))
+
+
 def channel_view(t: Tensor, ndim: int) -> Tensor:
   """A per-channel (C,) tensor shaped (1, C, 1, ...) to broadcast against an (N, C, ...) input of rank `ndim`."""
   return t.reshape(1, t.shape[0], *([1] * (ndim - 2)))
 
 
 def per_channel(values: Lazy, shape: tuple[int, ...]) -> Lazy:
-  """A per-channel (C,) lazy value broadcast to an (N, C, ...) input's `shape`."""
-  return values.reshape((1, shape[1], *([1] * (len(shape) - 2)))).expand(shape)
+  """A per-channel (C,) lazy value broadcast to an (N, C, ...) input's `shape` (one composed view)."""
+  return composed_view(values, (("reshape", (1, shape[1], *([1] * (len(shape) - 2)))), ("expand", shape)))
 
 
 def channel_sum(x: Lazy) -> Lazy:
@@ -68,14 +79,13 @@ def batch_statistics(x: Tensor) -> tuple[Tensor, Tensor]:
   sum(x - s) and sum((x - s)^2) over all axes but 1 (one pass over x; see the module docstring). Half-precision
   input is summed in float32; the results have x's dtype. Not differentiable: pass a detached x (the backward of
   BatchNormNormalize accounts for the statistics)."""
-  axes = channel_reduce_axes(x.ndim)
-  count = math.prod(x.shape[axis] for axis in axes)
+  axes, count, first_sample = _channel_counts(x.shape)
   lazy = x.lazydata
   if isinstance(lazy, MultiLazyBuffer) and lazy.axis in axes:
     # sharded along a reduced axis, a view of one sample would cross shards: shift by the mean (a pass of its own)
     shift = x.detach().mean(axes, keepdim=True).lazydata
   else:   # a view of x, not a copy: the first sample of each channel, broadcast over that channel
-    shift = lazy.shrink(tuple((0, 1) if axis in axes else (0, size) for axis, size in enumerate(x.shape)))
+    shift = lazy.shrink(first_sample)
   accumulate = dtypes.float32 if x.dtype.itemsize < 4 else x.dtype
   shifted = _sub(lazy.cast(accumulate), shift.cast(accumulate).expand(x.shape))
   shifted_sum = channel_sum(shifted)
@@ -97,7 +107,8 @@ def stored_statistics(mean: Tensor, invstd: Tensor) -> tuple[Tensor, Tensor]:
   recomputed values all miss the maximum divides 0 by 0. On a GPU one kernel stores both, with the running
   variance, from the second stages of the two sums (engine/multi_output.py: sibling reduces and elementwise work on
   them)."""
-  return mean.contiguous(), invstd.contiguous()
+  # (Contiguous's graph on the lazy buffers: the statistics are detached, no Function is needed)
+  return Tensor(mean.lazydata.contiguous()), Tensor(invstd.lazydata.contiguous())
 
 
 class BatchNormNormalize(Function):
@@ -107,10 +118,14 @@ class BatchNormNormalize(Function):
 
   def forward(self, x: LazyBuffer, mean: LazyBuffer, invstd: LazyBuffer, weight: LazyBuffer | None = None,
               bias: LazyBuffer | None = None) -> LazyBuffer:
-    # one dtype for all (the Tensor ops' promotion; a no-op when they agree, as under autocast's float32 policy)
-    dtype = least_upper_dtype(*(operand.dtype for operand in (x, mean, invstd, weight, bias) if operand is not None))
-    x, mean, invstd = x.cast(dtype), mean.cast(dtype), invstd.cast(dtype)
-    weight, bias = (None if operand is None else operand.cast(dtype) for operand in (weight, bias))
+    # one dtype for all (the Tensor ops' promotion; a no-op when they agree, as under autocast's float32 policy, which
+    # is checked first: a promotion of five dtypes per batchnorm per step was most of this forward's own cost)
+    dtype = x.dtype
+    if not (mean.dtype is dtype and invstd.dtype is dtype and (weight is None or weight.dtype is dtype) and
+            (bias is None or bias.dtype is dtype)):
+      dtype = least_upper_dtype(*(operand.dtype for operand in (x, mean, invstd, weight, bias) if operand is not None))
+      x, mean, invstd = x.cast(dtype), mean.cast(dtype), invstd.cast(dtype)
+      weight, bias = (None if operand is None else operand.cast(dtype) for operand in (weight, bias))
     self.x, self.mean, self.invstd, self.weight = x, mean, invstd, weight
     # xhat, read again by the backward: the same lazy bases (it fuses into each kernel reading it, never stored)
     out = self.xhat = self._normalized()
@@ -125,7 +140,7 @@ class BatchNormNormalize(Function):
 
   def backward(self, grad_output: LazyBuffer) -> tuple[LazyBuffer | None, ...]:
     grad, shape = grad_output, self.x.shape
-    count = math.prod(shape[axis] for axis in channel_reduce_axes(len(shape)))
+    count = _channel_counts(shape)[1]
     xhat = self.xhat
     # the two independent sums over the same inputs: one kernel of sibling reduces on a GPU
     grad_sum, grad_xhat_sum = channel_sum(grad), channel_sum(_mul(grad, xhat))

@@ -32,6 +32,7 @@ from ourgrad.mixed_precision import CastPolicy, autocast_op
 from ourgrad.multi import MultiLazyBuffer
 from ourgrad.nn.batchnorm import BatchNormNormalize, batch_statistics, channel_view, stored_statistics
 from ourgrad.nn.module import Module
+from ourgrad.nn.optim import assign_lazy
 from ourgrad.ops import ADD, RECIP, SQRT
 from ourgrad.tensor import Tensor
 from ourgrad.tensor_conv import conv_padding
@@ -86,7 +87,7 @@ def _moving_average(running: Tensor, batch: LazyBuffer | MultiLazyBuffer, factor
     take = factor.lazydata.cast(old.dtype).reshape((1,)).expand(old.shape)
   else:
     keep, take = old.operand_like(1.0 - factor), old.operand_like(factor)
-  running.assign(Tensor(_mul(keep, old).elementwise(ADD, _mul(take, batch.cast(old.dtype)))))
+  assign_lazy(running, _mul(keep, old).elementwise(ADD, _mul(take, batch.cast(old.dtype))), old)
 
 
 def _machine_epsilon(dtype: DType) -> float:
@@ -242,7 +243,9 @@ class BatchNorm(Module):
     _init_channel_norm(self, num_features, eps, momentum, affine, track_running_stats)
 
   def _update_running_stats(self, mean: Tensor, var: Tensor, count: int) -> None:
-    self.num_batches_tracked.assign(self.num_batches_tracked + 1)
+    # (the graph `num_batches_tracked + 1` builds, written without an Add Function, a tensor and assign's checks)
+    tracked = self.num_batches_tracked.lazydata
+    assign_lazy(self.num_batches_tracked, tracked.elementwise(ADD, tracked.operand_like(1)), tracked)
     factor: Tensor | float = self.momentum if self.momentum is not None else 1.0 / self.num_batches_tracked.float()
     # statistics are data, not part of the graph: built on lazy buffers, no autograd history is kept for them
     variance = var.lazydata

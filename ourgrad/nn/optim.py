@@ -128,10 +128,11 @@ class _LazyUpdate:
   def cast(x: Lazy, dtype: DType) -> Lazy: return x.cast(dtype)
 
 
-def _write(tensor: Tensor, value: Lazy, current: Lazy | None = None) -> Tensor:
+def assign_lazy(tensor: Tensor, value: Lazy, current: Lazy | None = None) -> Tensor:
   """`tensor.assign(value)` for a lazy value (cast to the tensor's dtype); returns the tensor. A value of the
   tensor's shape, dtype and device written into a single device's buffer takes the short way, what assign does for
-  it: optimizer state and parameters are leaves and the value has no Function, so there is no autograd to adopt.
+  it: optimizer state, parameters and running statistics are leaves and the value has no Function, so there is no
+  autograd to adopt.
   `current`: the tensor's lazydata as the caller read it in this step, before any write (saves reading it again)."""
   target = tensor.lazydata if current is None else current
   if type(target) is LazyBuffer and type(value) is LazyBuffer and tensor._ctx is None and \
@@ -371,13 +372,13 @@ class SGD(Optimizer):
       if self.weight_decay: g = lazy.add(g, lazy.mul(weights, self.weight_decay))
       if self.momentum:
         buffer = buffer_of[id(param)]
-        _write(buffer, lazy.add(lazy.mul(buffer.lazydata, self.momentum), lazy.cast(g, buffer.dtype)))
+        assign_lazy(buffer, lazy.add(lazy.mul(buffer.lazydata, self.momentum), lazy.cast(g, buffer.dtype)))
         new_buffer = lazy.cast(buffer.lazydata, g.dtype)   # (float32 state; g in the parameter's dtype)
         g = lazy.add(g, lazy.mul(new_buffer, self.momentum)) if self.nesterov else new_buffer
         updated.append(buffer)
       g = lazy.cast(g, param.dtype)
       step = lazy.mul(g, lazy.per_step(minus_lr, g))
-      updated.append(_write(param, lazy.add(weights, step)))
+      updated.append(assign_lazy(param, lazy.add(weights, step)))
     return updated
 
 
@@ -397,7 +398,7 @@ class _AdamBase(Optimizer):
 
   def _count_step(self, lazy: _LazyUpdate) -> None:
     """t = t + 1, assigned."""
-    _write(self.t, lazy.add(self.t.lazydata, lazy.constant(1.0, self.t.lazydata)))
+    assign_lazy(self.t, lazy.add(self.t.lazydata, lazy.constant(1.0, self.t.lazydata)))
 
   def _bias_corrections(self, lazy: _LazyUpdate) -> tuple[Lazy, Lazy]:
     """(1 - b1**t, 1 - b2**t) for the step count t after this step's increment, as lazy 0-d values (the operations
@@ -416,10 +417,11 @@ class _AdamBase(Optimizer):
     shape, and `node` makes each base (`_node_maker`)."""
     b1, one_minus_b1, b2, one_minus_b2 = constants[:4]
     m, v = self.m[index], self.v[index]
-    _write(m, node(ADD, None, (node(MUL, None, (old[0], b1)), node(MUL, None, (g, one_minus_b1)))), old[0])
-    _write(v, node(ADD, None, (node(MUL, None, (old[1], b2)),
-                               node(MUL, None, (node(MUL, None, (g, g)), one_minus_b2)))), old[1])
-    # (each tensor's _lazydata is its newest version: _write set it)
+    write = assign_lazy if node is _checked_node else _write_made   # (the state is never a Function's result)
+    write(m, node(ADD, None, (node(MUL, None, (old[0], b1)), node(MUL, None, (g, one_minus_b1)))), old[0])
+    write(v, node(ADD, None, (node(MUL, None, (old[1], b2)), node(MUL, None, (node(MUL, None, (g, g)), one_minus_b2)))),
+          old[1])
+    # (each tensor's _lazydata is its newest version: assign_lazy set it)
     return m._lazydata, v._lazydata
 
   def _operands(self, values: tuple[float, ...], like: Lazy) -> tuple[Lazy, ...]:
@@ -449,14 +451,24 @@ def _node_maker(folding: bool, weights: Lazy, g: Lazy, m: Lazy, v: Lazy) -> Node
   elementwise would make exactly that base for every op of the update, because the parameter, its gradient and its
   moments are float32 values of one shape on one device, none of them a constant (a constant may fold), and no
   hyper-parameter constant folds (`folding`: `_folding`); else `_checked_node`. Building through elementwise's checks
-  was most of an update's cost per op."""
-  if folding: return _checked_node
-  shape, device = weights.shape, weights.device
-  for lazy in (weights, g, m, v):
-    if type(lazy) is not LazyBuffer or lazy.dtype is not dtypes.float32 or lazy.shape != shape or \
-        lazy.device != device or (lazy._base or lazy).op is CONST:
-      return _checked_node
-  return functools.partial(LazyBuffer.create_base, device, shape, dtypes.float32)
+  was most of an update's cost per op. (The checks as chained comparisons, not a loop: they run for every parameter
+  of every step.)"""
+  if folding or not type(weights) is type(g) is type(m) is type(v) is LazyBuffer: return _checked_node
+  shape, device, float32 = weights.shape, weights.device, dtypes.float32
+  if not (weights.dtype is g.dtype is m.dtype is v.dtype is float32 and shape == g.shape == m.shape == v.shape and
+          device == g.device == m.device == v.device) or \
+      CONST in ((weights._base or weights).op, (g._base or g).op, (m._base or m).op, (v._base or v).op):
+    return _checked_node
+  return functools.partial(LazyBuffer.create_base, device, shape, float32)
+
+
+def _write_made(tensor: Tensor, value: LazyBuffer, current: LazyBuffer) -> Tensor:
+  """`assign_lazy`'s short way without its checks, for a value a `_node_maker` partial made: a single device's
+  float32 value of the shape and device of `current` (the tensor's lazydata, checked there), written into a tensor
+  that no Function made."""
+  jit_recording.note_assign(tensor)
+  tensor._lazydata = current.write(value)
+  return tensor
 
 
 def _folding(values: tuple[float, ...]) -> bool:
@@ -509,7 +521,8 @@ class Adam(_AdamBase):
       numerator = node(MUL, None, (lazy.per_step(minus_step_size, m), m))
       step = node(MUL, None, (numerator, node(RECIP, None, (denominator,))))
       new_weights = node(ADD, None, (weights, lazy.cast(step, param.dtype)))
-      updated += [self.m[index], self.v[index], _write(param, new_weights, stored)]
+      write = assign_lazy if node is _checked_node or param._ctx is not None else _write_made
+      updated += [self.m[index], self.v[index], write(param, new_weights, stored)]
     return updated
 
 
