@@ -26,7 +26,7 @@ from ourgrad.codegen.opt.split_reduce import ReduceKind, ReduceSplit, SplitFacts
 from ourgrad.device import Device
 from ourgrad.dtype import dtypes
 from ourgrad.helpers import MATMUL_GRID, prod, register_cache_clearer, tf32_allowed
-from ourgrad.ops import CAST, CONST, ELEMENTWISE_OPS, MUL, Ops
+from ourgrad.ops import ADD, CAST, CONST, ELEMENTWISE_OPS, MUL, SUM, Ops
 from ourgrad.shape.symbolic import is_symbolic
 from ourgrad.shape.shapetracker import ShapeTracker
 from ourgrad.shape.view import strides_for_shape
@@ -178,7 +178,7 @@ def _device_facts(renderer: Any) -> tuple:
 def _decide(lazy: LazyBuffer, op: Ops, axes: tuple[int, ...], out_shape: tuple[int, ...], split: bool,
             renderer: Any, loads: int | Callable[[], int]) -> ReducePlan | None:
   """The decisions themselves: a host CPU's packed sum first, then the device's split (`split` only)."""
-  if op is Ops.SUM and getattr(renderer, "l2_cache_bytes", 0):   # (only a host CPU's runtime tells it the L2 size)
+  if op is SUM and getattr(renderer, "l2_cache_bytes", 0):   # (only a host CPU's runtime tells it the L2 size)
     dims = _dense_matmul_dims(lazy, axes)
     if dims is not None:
       tile = _packed_matmul_tile(lazy, dims, renderer)
@@ -367,8 +367,8 @@ def cpu_packed_matmul(lazy: LazyBuffer, tile: int) -> LazyBuffer:
   packed = matrix.reshape((columns // tile, tile, reduce_length)).permute((0, 2, 1)).contiguous()
   tiled = (*lead[:-1], columns // tile, tile, reduce_length)
   packed_view = packed.permute((0, 2, 1)).reshape((1,) * (len(lead) - 1) + tiled[-3:]).expand(tiled)
-  product = other.reshape(tiled).elementwise(Ops.MUL, packed_view)
-  return product.reduce(Ops.SUM, (len(tiled) - 1,)).reshape(lazy.shape[:-1] + (1,))
+  product = other.reshape(tiled).elementwise(MUL, packed_view)
+  return product.reduce(SUM, (len(tiled) - 1,)).reshape(lazy.shape[:-1] + (1,))
 
 
 def _packed_gathered_plan(lazy: LazyBuffer, axes: tuple[int, ...], renderer: Any) -> PackedGathered | None:
@@ -379,7 +379,7 @@ def _packed_gathered_plan(lazy: LazyBuffer, axes: tuple[int, ...], renderer: Any
   if lazy.dtype != dtypes.float32 or any(is_symbolic(s) for s in lazy.shape): return None
   base = lazy.base
   if not (lazy.is_base or (lazy.st.contiguous and base.shape == lazy.shape)) or len(base.srcs) != 2: return None
-  if base.op is not Ops.MUL: return None
+  if base.op is not MUL: return None
   # a factor widened on load (autocast's bfloat16) would be packed at float32: twice the bytes the product reads
   packable = [len(src.st.views) == 1 and not (src.base.op is Ops.CAST and src.base.srcs[0].dtype.itemsize < 4)
               for src in base.srcs]
@@ -404,16 +404,16 @@ def cpu_packed_gathered(lazy: LazyBuffer, axes: tuple[int, ...], plan: PackedGat
   innermost (_packed_gathered_plan), in `plan.parts` parts of reduce axis `plan.reduce_axis` where more than one."""
   srcs = list(lazy.base.srcs)
   srcs[plan.factor] = _packed_along(srcs[plan.factor], plan.column)
-  product = srcs[0].elementwise(Ops.MUL, srcs[1])
-  if plan.parts == 1: return product.reduce(Ops.SUM, axes)
+  product = srcs[0].elementwise(MUL, srcs[1])
+  if plan.parts == 1: return product.reduce(SUM, axes)
   outer = axes[plan.reduce_axis]
   split = product.reshape(lazy.shape[:outer] + (plan.parts, lazy.shape[outer] // plan.parts) + lazy.shape[outer + 1:])
   inner_axes = tuple(axis + 1 if axis >= outer else axis for axis in axes)
   # the parts outermost: every output tile of a part reads that part's operands from the L2
   split, inner_axes = _parts_outermost(split, (outer,), inner_axes)
-  partials = split.reduce(Ops.SUM, inner_axes, split=False)
+  partials = split.reduce(SUM, inner_axes, split=False)
   out_shape = tuple(1 if axis in axes else size for axis, size in enumerate(lazy.shape))
-  return partials.reduce(Ops.SUM, (0,), split=False).reshape(out_shape)
+  return partials.reduce(SUM, (0,), split=False).reshape(out_shape)
 
 
 def _packed_along(operand: LazyBuffer, column: int) -> LazyBuffer:
@@ -438,7 +438,7 @@ def _matmul_dims(lazy: LazyBuffer, axes: tuple[int, ...]) -> tuple[int, int, int
   base = lazy.base
   if not (lazy.is_base or (lazy.st.contiguous and base.shape == lazy.shape)) or len(base.srcs) != 2: return None
   # a product stored (or to be) is read, not multiplied again by a split (_split_matmul)
-  if base.op is not Ops.MUL or base.realized is not None or base.forced_realize: return None
+  if base.op is not MUL or base.realized is not None or base.forced_realize: return None
   strides = [src.st.views[-1].strides for src in base.srcs]
   if any(factor[axes[0]] == 0 for factor in strides): return None
   sizes = {"batch": 1, 0: 1, 1: 1}
@@ -477,7 +477,7 @@ def _split_product(left: LazyBuffer, right: LazyBuffer, axis: int, parts: int,
   while place < axis and (shape[place] == 1 or all(factor[place] != 0 for factor in strides)): place += 1
   order = (*range(place), axis, *(a for a in range(place, len(split_shape)) if a != axis))
   left, right = (factor.reshape(split_shape).permute(order) for factor in (left, right))
-  partials = left.elementwise(Ops.MUL, right).reduce(Ops.SUM, (axis + 1,), split=False)
+  partials = left.elementwise(MUL, right).reduce(SUM, (axis + 1,), split=False)
   return _sum_parts(partials.permute((place, *(a for a in range(len(split_shape)) if a != place)))).reshape(out_shape)
 
 
@@ -488,12 +488,12 @@ def reduce_product(x: LazyBuffer, y: LazyBuffer, axis: int) -> LazyBuffer:
   (SplitMatmul) is built from x and y, so the whole product, which the split only reads the factors of, is never made
   (made, it was a base, a traced op and a plan key thrown away); no split is the product's plain reduce."""
   plan = _remembered_product_plan(x, y, axis)
-  if plan is _MISSING: return x.elementwise(Ops.MUL, y).reduce(Ops.SUM, (axis,))   # (decided and remembered there)
+  if plan is _MISSING: return x.elementwise(MUL, y).reduce(SUM, (axis,))   # (decided and remembered there)
   plan_stats.remembered += 1
   out_shape = x.shape[:axis] + (1,) + x.shape[axis + 1:]
   if plan is not None: return _split_product(x, y, axis, plan.parts, out_shape)
-  product = x.elementwise(Ops.MUL, y)
-  return product.create_base(product.device, out_shape, product.dtype, Ops.SUM, (axis,), (product,))
+  product = x.elementwise(MUL, y)
+  return product.create_base(product.device, out_shape, product.dtype, SUM, (axis,), (product,))
 
 
 def _remembered_product_plan(x: LazyBuffer, y: LazyBuffer, axis: int) -> Any:
@@ -508,7 +508,7 @@ def _remembered_product_plan(x: LazyBuffer, y: LazyBuffer, axis: int) -> Any:
   if (x._base or x).op is CONST or (y._base or y).op is CONST: return _MISSING
   for size in shape:   # (_plan_key: a Variable's view is not remembered; an empty reduce is a constant)
     if type(size) is not int or size == 0: return _MISSING
-  key = (Ops.SUM, (axis,), True, x.device, x.dtype, ShapeTracker.from_shape(shape), shape, MUL, False, False,
+  key = (SUM, (axis,), True, x.device, x.dtype, ShapeTracker.from_shape(shape), shape, MUL, False, False,
          (_factor_facts(x), _factor_facts(y)), (MATMUL_GRID.value, tf32_allowed()), _device_facts(renderer))
   plan = _PLANS.get(key, _MISSING)
   return plan if plan is None or isinstance(plan, SplitMatmul) else _MISSING
@@ -520,7 +520,7 @@ def _dense_matmul_dims(lazy: LazyBuffer, axes: tuple[int, ...]) -> tuple[int, in
   if lazy.dtype != dtypes.float32 or len(lazy.shape) < 3 or axes != (len(lazy.shape) - 1,): return None
   base = lazy.base
   if not (lazy.is_base or (lazy.st.contiguous and base.shape == lazy.shape)) or len(base.srcs) != 2: return None
-  if base.op is not Ops.MUL: return None
+  if base.op is not MUL: return None
   sides = set()
   for src in base.srcs:
     strides = src.st.views[-1].strides
@@ -541,7 +541,7 @@ def _matmul_like_reduce(lazy: LazyBuffer, axes: tuple[int, ...]) -> bool:
   gradient, not a LayerNorm's weight gradient."""
   base = lazy.base
   # the axes of the base's sources are this buffer's axes only where this is the base or a plain view of it
-  if not (lazy.is_base or (lazy.st.contiguous and base.shape == lazy.shape)) or base.op is not Ops.MUL: return False
+  if not (lazy.is_base or (lazy.st.contiguous and base.shape == lazy.shape)) or base.op is not MUL: return False
   strides = tuple(src.st.views[-1].strides for src in base.srcs)
   try:
     return _tiles_pay_off(lazy.shape, axes, strides)
@@ -568,7 +568,7 @@ def _sum_parts(partials: LazyBuffer) -> LazyBuffer:
   rest = tuple((0, size) for size in partials.shape[1:])   # (each piece's other axes whole: made once)
   total = partials.shrink(((0, 1), *rest))
   for part in range(1, partials.shape[0]):
-    total = total.elementwise(Ops.ADD, partials.shrink(((part, part + 1), *rest)))
+    total = total.elementwise(ADD, partials.shrink(((part, part + 1), *rest)))
   return total
 
 
