@@ -500,7 +500,8 @@ def _remembered_product_plan(x: LazyBuffer, y: LazyBuffer, axis: int) -> Any:
   """What reduce_plan remembered for the SUM over `axis` of the product base x * y would make (its _plan_key, built
   from x and y: the product's identity view of their shape, op MUL, unrealized): a SplitMatmul or None (no split), else
   _MISSING (a product elementwise would fold or reduce would not plan, a CPU, a decision not made yet, another plan)."""
-  if x.device.startswith("DISK"): return _MISSING
+  # (a sharded product's MultiLazyBuffers, device a tuple, apply the reduce per shard; a disk buffer never computes)
+  if type(x.device) is not str or x.device.startswith("DISK"): return _MISSING
   renderer = Device[x.device].renderer
   if not renderer.runs_thread_blocks: return _MISSING   # (a host CPU's plans read more than the key: packing)
   shape = x.shape
