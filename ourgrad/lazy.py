@@ -147,6 +147,7 @@ class LazyBuffer:
       base._trace_index = position
       traced.append(base)
       tokens = trace.tokens
+      # (lazy_trace.arg_token written out: most args are None or a nonzero number)
       tokens += (op, arg if arg is None or (type(arg) in _KEPT_ARG_TYPES and arg) else lazy_trace.hashable_arg(arg),
                  dtype, device, base.shape)
       for src in srcs:

@@ -80,10 +80,6 @@ class Trace:
   @property
   def tainted(self) -> bool: return self.owner is None
 
-  @tainted.setter
-  def tainted(self, value: bool) -> None:
-    if value: self.taint()
-
   def taint(self) -> None:
     """Drop what the trace holds; no base is traced until the next schedule starts a new trace."""
     self.owner, self.bases, self.tokens, self.early, self.leaves, self.leaf_index = None, [], [], [], [], {}

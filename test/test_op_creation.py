@@ -199,7 +199,7 @@ def test_bases_record_their_trace_position() -> None:
   trace = lazy_trace._trace[0]
   assert trace is not None and trace.position(made) == made._trace_index >= 0
   assert LazyBuffer.create_base(a.device, [4, 4], a.dtype, Ops.EMPTY)._trace_index == -1   # (a list shape too)
-  trace.tainted = True
+  trace.taint()
   try:
     assert a.elementwise(Ops.MUL, b)._trace_index == -1
   finally:
