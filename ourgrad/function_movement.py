@@ -8,6 +8,7 @@ from typing import Any
 
 from ourgrad.dtype import dtypes
 from ourgrad.function import Function, _sum_to_shape, _where
+from ourgrad.helpers import inverse_permutation
 from ourgrad.lazy import LazyBuffer
 from ourgrad.lazy_views import place_through_view
 
@@ -27,9 +28,7 @@ class Permute(Function):
     self.order = order
     return x.permute(order)
 
-  def backward(self, grad_output: LazyBuffer) -> LazyBuffer:
-    inverse = tuple(sorted(range(len(self.order)), key=self.order.__getitem__))
-    return grad_output.permute(inverse)
+  def backward(self, grad_output: LazyBuffer) -> LazyBuffer: return grad_output.permute(inverse_permutation(self.order))
 
 
 class Expand(Function):

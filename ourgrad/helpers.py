@@ -357,16 +357,9 @@ def power_of_two_divisor(size: int, limit: int) -> int:
   return amount
 
 
-
-
-
-
-
-
-
-
-
-
+def inverse_permutation(order: Sequence[int]) -> tuple[int, ...]:
+  """The order that undoes permuting by `order` (axis i goes back to where order put it)."""
+  return tuple(sorted(range(len(order)), key=order.__getitem__))
 
 
 def make_tuple(value: int | Sequence[int], count: int) -> tuple[int, ...]:

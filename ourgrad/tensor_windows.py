@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ourgrad.dtype import dtypes
 from ourgrad.errors import ShapeError
 from ourgrad.function import Function, _sum_to_shape
-from ourgrad.helpers import register_cache_clearer
+from ourgrad.helpers import inverse_permutation, register_cache_clearer
 from ourgrad.lazy import LazyBuffer
 from ourgrad.lazy_moves import Move, apply_moves
 from ourgrad.shape.shapetracker import ShapeTracker
@@ -64,8 +64,7 @@ class WindowMoves:
 
   def permute(self, order: tuple[int, ...]) -> None:
     if order == tuple(range(len(order))): return
-    inverse = tuple(sorted(range(len(order)), key=order.__getitem__))
-    self._note("permute", order, "permute", inverse, tuple(self._shape[axis] for axis in order))
+    self._note("permute", order, "permute", inverse_permutation(order), tuple(self._shape[axis] for axis in order))
 
   def expand(self, shape: tuple[int, ...]) -> None:
     if shape != self._shape: self._note("expand", shape, "sum_to", self._shape, shape)
